@@ -1,0 +1,154 @@
+"""Configs: nested dataclasses filled from a YAML file (`config=PATH`) and dotted `key=value` overrides.
+
+Every component owns a dataclass next to its code; an app's top-level config nests them. Values are converted to
+the annotated type of their field, so `model.dim=64` gives an int and `optim.lr=1e-3` a float. A mistake (unknown
+key, wrong type, missing value) raises `UserError` with one line naming the key.
+"""
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class UserError(Exception):
+    """A mistake the user can fix (bad config, missing file); entry points print it on one line and exit 2."""
+
+
+def load_config(cls: type[T], argv: list[str]) -> T:
+    """Build `cls` from `config=PATH` (optional) followed by dotted `key=value` overrides, in order."""
+    tree: dict[str, Any] = {}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or not key:
+            raise UserError(f"expected key=value, got '{arg}'")
+        if key == "config":
+            tree = _merge(tree, _read_yaml(value))
+        else:
+            _set_dotted(tree, key, yaml.safe_load(value) if value else "")
+    return from_dict(cls, tree)
+
+
+def from_dict(cls: type[T], tree: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass `cls` from a nested dict, converting and checking every value."""
+    if not isinstance(tree, dict):
+        raise UserError(f"config key '{prefix.rstrip('.') or '<root>'}' expects a mapping, got {tree!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(tree) - set(fields))
+    if unknown:
+        raise UserError(f"unknown config key '{prefix}{unknown[0]}' (valid keys: {', '.join(sorted(fields))})")
+    values = {}
+    for name, field in fields.items():
+        key = prefix + name
+        if name in tree:
+            values[name] = _convert(hints[name], tree[name], key)
+        elif dataclasses.is_dataclass(hints[name]):
+            values[name] = from_dict(hints[name], {}, key + ".")
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise UserError(f"missing required config value '{key}'")
+    return cls(**values)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Any, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        tree = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise UserError(f"config file {path} must hold a mapping at its top level")
+    return tree
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = tree.get(part)
+        if not isinstance(node, dict):
+            node = tree[part] = {}
+        tree = node
+    tree[leaf] = value
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin, params = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in params:
+            return None
+        errors = []
+        for option in (p for p in params if p is not type(None)):
+            try:
+                return _convert(option, value, key)
+            except UserError as e:
+                errors.append(e)
+        raise errors[0]
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key + ".")
+    if origin is list:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise _type_error(key, "a list", value)
+        return [_convert(params[0], item, f"{key}[{i}]") for i, item in enumerate(items)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _type_error(key, "a mapping", value)
+        return {str(k): _convert(params[1], v, f"{key}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    return _convert_scalar(tp, value, key)
+
+
+def _convert_scalar(tp: type, value: Any, key: str) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _type_error(key, "true or false", value)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():  # 1e6 in YAML is a float
+            return int(value)
+        raise _type_error(key, "an integer", value)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _type_error(key, "a number", value)
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise _type_error(key, "a string", value)
+    raise TypeError(f"config field '{key}' has unsupported type {tp}")
+
+
+def _type_error(key: str, expected: str, value: Any) -> UserError:
+    return UserError(f"config key '{key}' expects {expected}, got {value!r}")
