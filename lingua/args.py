@@ -129,25 +129,31 @@ def _convert_scalar(tp: type, value: Any, key: str) -> Any:
             return value
         raise _type_error(key, "true or false", value)
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():  # 1e6 in YAML is a float
-            return int(value)
+        number = _as_number(value)
+        if number is not None and float(number).is_integer():  # allows 1e6
+            return int(number)
         raise _type_error(key, "an integer", value)
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        number = _as_number(value)
+        if number is not None:
+            return float(number)
         raise _type_error(key, "a number", value)
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise _type_error(key, "a string", value)
     raise TypeError(f"config field '{key}' has unsupported type {tp}")
+
+
+def _as_number(value: Any) -> int | float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    try:  # YAML 1.1 reads "1e-3" and "1e6" (no dot) as strings
+        return float(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def _type_error(key: str, expected: str, value: Any) -> UserError:
