@@ -1,0 +1,266 @@
+"""Transformer building blocks shared by every app: RMSNorm, RoPE, SwiGLU, self- and cross-attention blocks.
+
+Positions are per token (`[batch, seq]`), so a sequence whose tokens were gathered out of order (CrossBERT's visible
+tokens) keeps each token's original position. Attention masks are described once, as per-token group ids
+(`AttnMask`): a query attends to a key iff their ids are equal. Each backend turns that description into its own
+mask format; `None` means full bidirectional attention.
+
+Models are built on the meta device and materialised by `init_weights` (truncated normal, std `init_std`).
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lingua.args import UserError
+
+ATTN_BACKENDS = ("sdpa", "flex", "xformers")
+
+
+@dataclass
+class TransformerArgs:
+    dim: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    head_dim: int | None = None  # default: dim // n_heads
+    ffn_multiple_of: int = 256  # SwiGLU hidden size is 8*dim/3 rounded up to a multiple of this (Lingua's rule)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seqlen: int = 512
+    init_std: float = 0.02
+    attn_backend: str = "sdpa"  # sdpa (CPU and GPU) | flex (GPU, compiled flex_attention) | xformers (if installed)
+
+    def __post_init__(self):
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise UserError(f"attn_backend must be one of {ATTN_BACKENDS}, got '{self.attn_backend}'")
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise UserError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}; set head_dim")
+
+
+def ffn_hidden_dim(dim: int, multiple_of: int) -> int:
+    return multiple_of * math.ceil(8 * dim / 3 / multiple_of)
+
+
+def head_dim_of(args: TransformerArgs) -> int:
+    return args.head_dim or args.dim // args.n_heads
+
+
+@dataclass
+class AttnMask:
+    """Query i of row b attends to key j iff q_ids[b, i] == kv_ids[b, j]."""
+
+    q_ids: torch.Tensor  # [B, Sq] integer
+    kv_ids: torch.Tensor  # [B, Sk] integer
+
+
+def padding_mask(pad_mask: torch.Tensor | None) -> AttnMask | None:
+    """Keeps real tokens (pad_mask True) from attending to padding: real tokens get id 0, padding id 1."""
+    if pad_mask is None:
+        return None
+    ids = (~pad_mask).int()
+    return AttnMask(ids, ids)
+
+
+def build_attn_bias(mask: AttnMask | None, backend: str, n_heads: int):
+    """Translates the group-id mask into what `backend` consumes; built once per forward, shared by all layers."""
+    if mask is None:
+        return None
+    if backend == "sdpa":
+        return (mask.q_ids[:, :, None] == mask.kv_ids[:, None, :])[:, None]  # [B, 1, Sq, Sk] bool
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        q_ids, kv_ids = mask.q_ids, mask.kv_ids
+
+        def same_group(b, h, q, kv):
+            return q_ids[b, q] == kv_ids[b, kv]
+
+        B, Sq, Sk = q_ids.shape[0], q_ids.shape[1], kv_ids.shape[1]
+        return create_block_mask(same_group, B, None, Sq, Sk, device=q_ids.device)
+    allowed = mask.q_ids[:, None, :, None] == mask.kv_ids[:, None, None, :]
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(~allowed, -math.inf)
+    return bias.expand(-1, n_heads, -1, -1)  # xformers wants [B, H, Sq, Sk]
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attention(q, k, v, bias, backend: str) -> torch.Tensor:
+    """q: [B, Sq, H, Dh], k/v: [B, Sk, H, Dh] -> [B, Sq, H, Dh]."""
+    if backend == "xformers":
+        import xformers.ops as xops
+
+        if bias is not None:
+            bias = bias.to(q.dtype)
+        return xops.memory_efficient_attention(q, k, v, attn_bias=bias)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if backend == "flex":
+        out = _compiled_flex_attention()(q, k, v, block_mask=bias)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    return out.transpose(1, 2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions 0..max_seqlen-1, looked up per token."""
+
+    def __init__(self, head_dim: int, max_seqlen: int, theta: float):
+        super().__init__()
+        self.head_dim, self.max_seqlen, self.theta = head_dim, max_seqlen, theta
+        self.register_buffer("cos", torch.empty(max_seqlen, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seqlen, head_dim // 2), persistent=False)
+
+    def reset_parameters(self):
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+        angles = torch.outer(torch.arange(self.max_seqlen, dtype=torch.float32), inv_freq)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, S] -> (cos, sin), each [B, S, 1, head_dim // 2]."""
+        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotates the two halves of each head's features; x: [B, S, H, Dh]."""
+    cos, sin = rope
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    """Multi-head attention of `x` over `context` (self-attention when context is x), RoPE on queries and keys."""
+
+    def __init__(self, dim: int, n_heads: int, head_dim: int):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+
+    def forward(self, x, context, q_rope, kv_rope, bias, backend: str) -> torch.Tensor:
+        B, Sq, Sk = x.shape[0], x.shape[1], context.shape[1]
+        q = self.wq(x).view(B, Sq, self.n_heads, self.head_dim)
+        k = self.wk(context).view(B, Sk, self.n_heads, self.head_dim)
+        v = self.wv(context).view(B, Sk, self.n_heads, self.head_dim)
+        out = attention(apply_rope(q, q_rope), apply_rope(k, kv_rope), v, bias, backend)
+        return self.wo(out.reshape(B, Sq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SelfAttentionBlock(nn.Module):
+    """Pre-norm block: bidirectional self-attention then SwiGLU."""
+
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        self.backend = args.attn_backend
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args.dim, args.n_heads, head_dim_of(args))
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args.dim, args.ffn_multiple_of))
+
+    def forward(self, h, rope, bias) -> torch.Tensor:
+        x = self.attention_norm(h)
+        h = h + self.attention(x, x, rope, rope, bias, self.backend)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class CrossAttentionBlock(nn.Module):
+    """Pre-norm block: cross-attention from the queries to a context (no self-attention), then SwiGLU.
+
+    The queries never see each other, so each query's output depends only on itself and the context.
+    """
+
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        self.backend = args.attn_backend
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.cross_attention = Attention(args.dim, args.n_heads, head_dim_of(args))
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args.dim, args.ffn_multiple_of))
+
+    def forward(self, h, context, q_rope, kv_rope, bias) -> torch.Tensor:
+        h = h + self.cross_attention(self.attention_norm(h), context, q_rope, kv_rope, bias, self.backend)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """Materialises a module built on the meta device: norms to one, RoPE tables computed, the rest trunc-normal."""
+    for sub in module.modules():
+        if isinstance(sub, (RMSNorm, RotaryEmbedding)):
+            sub.reset_parameters()
+        elif isinstance(sub, (nn.Linear, nn.Embedding)):
+            trunc_normal_(sub.weight, std)
+
+
+def trunc_normal_(tensor: torch.Tensor, std: float) -> None:
+    nn.init.trunc_normal_(tensor, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+class Encoder(nn.Module):
+    """Token embedding, a stack of self-attention blocks, final RMSNorm. Output head: tied embedding (`logits`)."""
+
+    def __init__(self, args: TransformerArgs, vocab_size: int):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(vocab_size, args.dim)
+        self.rope = RotaryEmbedding(head_dim_of(args), args.max_seqlen, args.rope_theta)
+        self.layers = nn.ModuleList(SelfAttentionBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, tokens, positions, mask: AttnMask | None = None, all_layers: bool = False):
+        """tokens, positions: [B, S] -> final hidden states [B, S, D] after the final norm.
+
+        With all_layers, a list of every block's output (the residual stream), the last one after the final norm.
+        """
+        h = self.tok_embeddings(tokens)
+        rope = self.rope(positions)
+        bias = build_attn_bias(mask, self.args.attn_backend, self.args.n_heads)
+        outputs = []
+        for layer in self.layers:
+            h = layer(h, rope, bias)
+            outputs.append(h)
+        outputs[-1] = self.norm(h)
+        return outputs if all_layers else outputs[-1]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.tok_embeddings.weight)
+
+
+def default_positions(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
