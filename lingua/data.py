@@ -1,0 +1,334 @@
+"""Training data: JSONL chunks -> tokenized documents -> packed rows of seq_len tokens -> mixed batches.
+
+Layout: ROOT/SOURCE/train.*.jsonl (chunks, read in name order) and ROOT/SOURCE/valid.jsonl, one {"text": ...}
+document per line. Every document is followed by the tokenizer's eos id; documents are concatenated and cut into rows
+of exactly seq_len tokens (no padding), a document that does not fit continuing in the next row of its source.
+
+Sharding: the chunks of a source are treated as one byte stream of T bytes; rank r owns the lines that START in bytes
+[r*T/W, (r+1)*T/W). Every line starts in exactly one range, so each line is used exactly once per epoch for any number
+of ranks and chunks (fewer chunks than ranks, uneven sizes), and a rank reads only its own contiguous slice plus at
+most one partial line to find its first line boundary.
+
+Mixing: each packed row is drawn from one source, chosen by weight with a per-rank seeded numpy RNG. Sampling per row
+(rather than per document) makes the weights token proportions, whatever the document lengths, and keeps one carry-over
+buffer per source. That buffer is always the unconsumed tail of a single document, so the state stores where that
+document's line starts plus a token offset and rebuilds the buffer exactly by re-reading that one line.
+"""
+
+import json
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from lingua.args import UserError
+from lingua.tokenizer import TokenizerArgs
+
+logger = logging.getLogger(__name__)
+
+MALFORMED_WARNINGS = 10  # warn about each of the first malformed lines of a file set, then every 1000th
+
+
+@dataclass
+class DataArgs:
+    root_dir: str = ""
+    sources: dict[str, float] = field(default_factory=dict)  # source folder -> sampling weight
+    seq_len: int = 512
+    batch_size: int = 8  # sequences per rank per micro-batch
+    seed: int = 42
+    prefetch: int = 8  # batches loaded ahead in a background thread (0: load in the caller's thread)
+    tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
+
+
+def _check_args(args: DataArgs) -> None:
+    if not os.path.isdir(args.root_dir):
+        raise UserError(f"data root_dir not found: '{args.root_dir}'")
+    if not args.sources:
+        raise UserError("data.sources is empty: give at least one source folder with a weight")
+    if any(w < 0 for w in args.sources.values()) or sum(args.sources.values()) <= 0:
+        raise UserError(f"data.sources weights must be >= 0 with a positive sum, got {args.sources}")
+    if args.seq_len < 1 or args.batch_size < 1:
+        raise UserError(f"data.seq_len and data.batch_size must be >= 1, got {args.seq_len}, {args.batch_size}")
+    for name in args.sources:
+        if not os.path.isdir(os.path.join(args.root_dir, name)):
+            raise UserError(f"data source folder not found: '{os.path.join(args.root_dir, name)}'")
+
+
+def _train_files(args: DataArgs, name: str) -> list[str]:
+    folder = os.path.join(args.root_dir, name)
+    files = sorted(f for f in os.listdir(folder) if f.startswith("train.") and f.endswith(".jsonl"))
+    if not files:
+        raise UserError(f"no train.*.jsonl files in data source folder '{folder}'")
+    return [os.path.join(folder, f) for f in files]
+
+
+class _Tokens:
+    """Turns raw JSONL lines into token lists (document + eos); skips and counts malformed lines."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.malformed = tokenizer, 0
+
+    def __call__(self, line: bytes, path: str, offset: int) -> list[int] | None:
+        try:
+            doc = json.loads(line.decode("utf-8")) if line.strip() else None
+            text = doc.get("text") if isinstance(doc, dict) else None
+            if isinstance(text, str):
+                return self.tokenizer.encode(text) + [self.tokenizer.eos_id]
+        except (UnicodeError, ValueError, RecursionError):  # bad UTF-8 or JSON, lone surrogates, absurd nesting
+            pass
+        self.malformed += 1
+        if self.malformed <= MALFORMED_WARNINGS or self.malformed % 1000 == 0:
+            logger.warning(f"skipped malformed line at byte {offset} of {path} ({self.malformed} skipped so far)")
+        return None
+
+
+class _SourceStream:
+    """One rank's share of one source: an endless stream of tokens, epoch after epoch."""
+
+    def __init__(self, name: str, files: list[str], rank: int, world_size: int, tokenizer):
+        self.name, self.rank = name, rank
+        sizes = [os.path.getsize(f) for f in files]
+        self.total_bytes = sum(sizes)
+        lo, hi = rank * self.total_bytes // world_size, (rank + 1) * self.total_bytes // world_size
+        self.segments = []  # (path, start, end): this rank reads the lines of path that start in [start, end)
+        file_start = 0
+        for path, size in zip(files, sizes):
+            start, end = max(lo - file_start, 0), min(hi - file_start, size)
+            if start < end and (start := _line_start_at_or_after(path, start)) < end:
+                self.segments.append((path, start, end))
+            file_start += size
+        if not self.segments:
+            raise UserError(f"data source '{name}' is too small to give rank {rank} of {world_size} any line")
+        self.tokens = _Tokens(tokenizer)
+        self.epoch, self.seg, self.pos = 0, 0, self.segments[0][1]  # next line to read
+        self.doc: list[int] = []  # current document (with eos) and how much of it is already handed out
+        self.doc_seg, self.doc_pos, self.doc_off = 0, 0, 0
+        self.file = None
+        self.wraps_without_doc = 0
+
+    def take(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            if self.doc_off == len(self.doc):
+                self.doc, self.doc_off = self._next_doc(), 0
+            k = min(n - len(out), len(self.doc) - self.doc_off)
+            out += self.doc[self.doc_off : self.doc_off + k]
+            self.doc_off += k
+        return out
+
+    def _next_doc(self) -> list[int]:
+        while True:
+            path, _, end = self.segments[self.seg]
+            if self.pos >= end:
+                self._next_segment()
+                continue
+            if self.file is None:
+                self.file = open(path, "rb")
+                self.file.seek(self.pos)
+            line = self.file.readline()
+            offset, self.pos = self.pos, self.pos + len(line)
+            doc = self.tokens(line, path, offset)
+            if doc is not None:
+                self.wraps_without_doc = 0
+                self.doc_seg, self.doc_pos = self.seg, offset
+                return doc
+
+    def _next_segment(self) -> None:
+        self.close()
+        self.seg += 1
+        if self.seg == len(self.segments):
+            self.wraps_without_doc += 1
+            if self.wraps_without_doc > 1:  # a whole epoch passed without one valid document
+                raise UserError(f"data source '{self.name}' has no valid document in rank {self.rank}'s share")
+            self.epoch, self.seg = self.epoch + 1, 0
+            logger.info(f"data source '{self.name}': rank {self.rank} starts epoch {self.epoch}")
+        self.pos = self.segments[self.seg][1]
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def state_dict(self) -> dict[str, Any]:
+        partial = self.doc_off < len(self.doc)  # the carry-over buffer is the rest of this document
+        seg, pos = (self.doc_seg, self.doc_pos) if partial else (self.seg, self.pos)
+        return {"epoch": self.epoch, "segment": seg, "byte": pos, "token": self.doc_off if partial else 0,
+                "malformed_lines": self.tokens.malformed, "total_bytes": self.total_bytes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["total_bytes"] != self.total_bytes:
+            raise UserError(f"data source '{self.name}' changed since the loader state was saved "
+                            f"({state['total_bytes']} bytes then, {self.total_bytes} now)")
+        self.close()
+        self.epoch, self.seg, self.pos = state["epoch"], state["segment"], state["byte"]
+        self.doc, self.doc_off = [], 0
+        if state["token"]:
+            self.doc, self.doc_off = self._next_doc(), state["token"]
+        self.tokens.malformed = state["malformed_lines"]
+
+
+def _line_start_at_or_after(path: str, offset: int) -> int:
+    """First line boundary >= offset: a line starts at 0 or right after a newline."""
+    if offset == 0:
+        return 0
+    with open(path, "rb") as f:
+        f.seek(offset - 1)
+        f.readline()  # the rest of the line that byte offset-1 belongs to
+        return f.tell()
+
+
+class TrainLoader:
+    """Endless iterator of LongTensor [batch_size, seq_len]; state_dict() is the position after the last batch returned.
+
+    With prefetch > 0 a daemon thread runs up to `prefetch` batches ahead; each queued batch carries a snapshot of
+    the state right after it, so prefetched but unconsumed batches are not lost on resume.
+    """
+
+    def __init__(self, args: DataArgs, tokenizer, rank: int, world_size: int, state: dict[str, Any] | None = None):
+        _check_args(args)
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.names = sorted(args.sources)
+        weights = np.array([args.sources[n] for n in self.names], dtype=np.float64)
+        self.weights = weights / weights.sum()
+        self.rng = np.random.default_rng([args.seed, rank])
+        self.streams = [_SourceStream(n, _train_files(args, n), rank, world_size, tokenizer) for n in self.names]
+        if state is not None:
+            self._load_state_dict(state)
+        self._state = self._snapshot()
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(args.prefetch, 1))
+        self._thread = None
+        if args.prefetch > 0:
+            self._thread = threading.Thread(target=self._produce, name="data-loader", daemon=True)
+            self._thread.start()
+
+    def _next_batch(self) -> torch.Tensor:
+        picks = self.rng.choice(len(self.streams), size=self.args.batch_size, p=self.weights)
+        return torch.tensor([self.streams[i].take(self.args.seq_len) for i in picks], dtype=torch.long)
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size, "rng": self.rng.bit_generator.state,
+                "sources": {n: s.state_dict() for n, s in zip(self.names, self.streams)}}
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+            raise UserError(f"data loader state is for rank {state['rank']} of {state['world_size']}, "
+                            f"not rank {self.rank} of {self.world_size}")
+        if sorted(state["sources"]) != self.names:
+            raise UserError(f"data loader state is for sources {sorted(state['sources'])}, not {self.names}")
+        self.rng.bit_generator.state = state["rng"]
+        for name, stream in zip(self.names, self.streams):
+            stream.load_state_dict(state["sources"][name])
+
+    def _produce(self) -> None:
+        try:
+            while not self._stop.is_set():
+                batch = self._next_batch()
+                self._put((batch, self._snapshot()))
+        except BaseException as e:  # handed to the consumer, which re-raises it instead of waiting forever
+            self._put((None, e))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                pass
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._error is not None:
+            raise self._error
+        if self._stop.is_set():
+            raise RuntimeError("data loader is closed")
+        if self._thread is None:
+            batch, state = self._next_batch(), self._snapshot()
+        else:
+            batch, state = self._queue.get()
+            if batch is None:
+                self._error = state
+                raise state
+        self._state = state
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self._state))  # a deep copy, and proof that it is plain JSON
+
+    @property
+    def malformed_lines(self) -> int:
+        """Malformed lines skipped up to the last batch returned."""
+        return sum(s["malformed_lines"] for s in self._state["sources"].values())
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        for stream in self.streams:
+            stream.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def build_train_loader(args: DataArgs, tokenizer, rank: int, world_size: int,
+                       state: dict[str, Any] | None = None) -> TrainLoader:
+    return TrainLoader(args, tokenizer, rank, world_size, state)
+
+
+def load_validation(args: DataArgs, tokenizer, n_sequences: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
+    """Fixed validation rows [n_sequences, seq_len] from each source's valid.jsonl, packed like training rows.
+
+    Sources (sorted by name) get n_sequences * weight rows (largest remainder); a source's rows are packed from its
+    own file from the start, and rank r takes rows [r*k, (r+1)*k) of them, so ranks are disjoint. Too little text
+    raises UserError rather than returning fewer rows: a silently smaller set would make losses incomparable.
+    """
+    _check_args(args)
+    rows = []
+    for name, k in _split_by_weight(n_sequences, args.sources).items():
+        if k == 0:
+            continue
+        path = os.path.join(args.root_dir, name, "valid.jsonl")
+        if not os.path.isfile(path):
+            raise UserError(f"validation file not found: '{path}'")
+        need = world_size * k * args.seq_len
+        tokens = _read_tokens(path, _Tokens(tokenizer), need)
+        if len(tokens) < need:
+            raise UserError(f"'{path}' has {len(tokens) // args.seq_len} rows of {args.seq_len} tokens, "
+                            f"{k} per rank x {world_size} ranks needed")
+        mine = tokens[rank * k * args.seq_len : (rank + 1) * k * args.seq_len]
+        rows.append(torch.tensor(mine, dtype=torch.long).view(k, args.seq_len))
+    return torch.cat(rows)
+
+
+def _split_by_weight(n: int, weights: dict[str, float]) -> dict[str, int]:
+    names = sorted(weights)
+    exact = [n * weights[s] / sum(weights.values()) for s in names]
+    counts = [int(x) for x in exact]
+    # stable sort: ties go to the source first in name order
+    for i in sorted(range(len(names)), key=lambda i: counts[i] - exact[i])[: n - sum(counts)]:
+        counts[i] += 1
+    return dict(zip(names, counts))
+
+
+def _read_tokens(path: str, tokens: _Tokens, limit: int) -> list[int]:
+    out: list[int] = []
+    with open(path, "rb") as f:
+        offset = 0
+        for line in f:
+            if len(out) >= limit:
+                break
+            out += tokens(line, path, offset) or []
+            offset += len(line)
+    return out

@@ -1,0 +1,230 @@
+import json
+import logging
+
+import pytest
+import torch
+
+from lingua.args import UserError
+from lingua.data import DataArgs, build_train_loader, load_validation
+
+EOS = 257
+
+
+class ByteTokenizer:
+    """Stand-in with the ids of the "bytes" tokenizer: bytes 0..255, <s>=256, </s>=257."""
+
+    eos_id = EOS
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+def write_source(root, name, chunks, valid=()):
+    """chunks: one list of lines per train chunk; a str line is wrapped as a document, bytes are written raw."""
+    folder = root / name
+    folder.mkdir(parents=True)
+    for i, lines in enumerate(chunks):
+        raw = [ln if isinstance(ln, bytes) else (json.dumps({"text": ln}) + "\n").encode() for ln in lines]
+        (folder / f"train.{i:05d}.jsonl").write_bytes(b"".join(raw))
+    (folder / "valid.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in valid))
+
+
+def stream(batches) -> list[int]:
+    return [t for b in batches for t in b.flatten().tolist()]
+
+
+def split_docs(tokens: list[int]) -> list[str]:
+    """Complete documents in a token stream (the unfinished tail is dropped)."""
+    docs, cur = [], []
+    for t in tokens:
+        if t == EOS:
+            docs.append(bytes(cur).decode())
+            cur = []
+        else:
+            cur.append(t)
+    return docs
+
+
+def take(loader, n):
+    return [next(loader) for _ in range(n)]
+
+
+def texts(n, prefix="doc"):
+    # uneven lengths, so rows cut documents and byte ranges cut lines at varying places
+    return [f"{prefix}{i}-" + "x" * (i * 7 % 23) for i in range(n)]
+
+
+def test_packing_is_the_exact_document_stream(tmp_path):
+    docs = texts(40)
+    write_source(tmp_path, "a", [docs[:25], docs[25:]])
+    args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=7, batch_size=3, prefetch=2)
+    with build_train_loader(args, ByteTokenizer(), 0, 1) as loader:
+        batches = take(loader, 20)
+    assert all(b.shape == (3, 7) and b.dtype == torch.long for b in batches)
+    expected = [t for d in docs for t in list(d.encode()) + [EOS]]
+    assert stream(batches) == expected[: 20 * 3 * 7]
+
+
+def epoch_docs(tmp_path, rank, world_size):
+    """The documents one rank sees in its first epoch (they repeat, in order, once the epoch ends)."""
+    args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=16, batch_size=2, prefetch=1)
+    with build_train_loader(args, ByteTokenizer(), rank, world_size) as loader:
+        tokens = []
+        while True:
+            tokens += stream(take(loader, 1))
+            docs = split_docs(tokens)
+            if docs[0] in docs[1:]:
+                assert loader.state_dict()["sources"]["a"]["epoch"] >= 1
+                assert loader.malformed_lines == 0  # no rank starts reading in the middle of a line
+                return docs[: docs.index(docs[0], 1)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("chunk_sizes", [[17], [12, 5], [1, 6, 0, 7, 3]])
+def test_each_line_is_read_by_exactly_one_rank(tmp_path, world_size, chunk_sizes):
+    docs = texts(17)
+    bounds = [sum(chunk_sizes[:i]) for i in range(len(chunk_sizes) + 1)]
+    write_source(tmp_path, "a", [docs[lo:hi] for lo, hi in zip(bounds, bounds[1:])])
+    per_rank = [epoch_docs(tmp_path, r, world_size) for r in range(world_size)]
+    seen = [d for docs_r in per_rank for d in docs_r]
+    assert sorted(seen) == sorted(docs)  # all of them, none twice
+    assert seen == docs  # ranks own contiguous slices, in file order
+
+
+def test_too_many_ranks_for_the_data_is_a_user_error(tmp_path):
+    write_source(tmp_path, "a", [["one", "two"]])
+    args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=4, batch_size=1)
+    with pytest.raises(UserError, match="too small"):
+        build_train_loader(args, ByteTokenizer(), 2, 3)
+
+
+def test_malformed_lines_are_skipped_and_counted(tmp_path, caplog):
+    lines = [
+        "first",
+        b"{not json\n",
+        b'{"title": "no text"}\n',
+        b'{"text": 5}\n',
+        b'{"text": "bad \xff\xfe bytes"}\n',
+        b"\n",
+        b"[1, 2]\n",
+        "second",
+        b'{"text": "last, no newline"}',
+    ]
+    write_source(tmp_path, "a", [lines])
+    args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=5, batch_size=2, prefetch=2)
+    with caplog.at_level(logging.WARNING), build_train_loader(args, ByteTokenizer(), 0, 1) as loader:
+        assert loader.malformed_lines == 0
+        batches = take(loader, 2)  # 20 tokens: "first", "second" and part of the last document
+        assert loader.malformed_lines == 6
+        batches += take(loader, 2)  # into the second epoch, whose skipped lines count again
+        assert loader.malformed_lines == 12
+        assert loader.state_dict()["sources"]["a"]["malformed_lines"] == 12
+    assert split_docs(stream(batches))[:4] == ["first", "second", "last, no newline", "first"]
+    assert "train.00000.jsonl" in caplog.text
+
+
+def resume_args(tmp_path, **kw):
+    write_source(tmp_path, "a", [texts(9, "a"), texts(4, "A"), texts(6, "aa")])
+    write_source(tmp_path, "b", [["b" * 50, "short", "b" * 31]])  # documents longer than a row
+    return DataArgs(root_dir=str(tmp_path), sources={"a": 2.0, "b": 1.0}, seq_len=12, batch_size=3, **kw)
+
+
+@pytest.mark.parametrize("n", [1, 7, 30])  # 30 batches run past the end of an epoch of both sources
+def test_resume_gives_exactly_the_next_batches(tmp_path, n):
+    args = resume_args(tmp_path, prefetch=4)
+    tok = ByteTokenizer()
+    with build_train_loader(args, tok, 1, 2) as loader:
+        reference = take(loader, n + 10)
+    with build_train_loader(args, tok, 1, 2) as loader:
+        take(loader, n)
+        state = json.loads(json.dumps(loader.state_dict()))
+    assert state["sources"]["b"]["epoch"] >= (n == 30)
+    with build_train_loader(args, tok, 1, 2, state=state) as loader:
+        resumed = take(loader, 10)
+    assert all(torch.equal(a, b) for a, b in zip(resumed, reference[n:]))
+
+
+def test_resume_without_prefetch_thread(tmp_path):
+    args = resume_args(tmp_path, prefetch=0)
+    with build_train_loader(args, ByteTokenizer(), 0, 1) as loader:
+        reference = take(loader, 8)
+    with build_train_loader(args, ByteTokenizer(), 0, 1) as loader:
+        take(loader, 5)
+        state = loader.state_dict()
+    with build_train_loader(args, ByteTokenizer(), 0, 1, state=state) as loader:
+        assert all(torch.equal(a, b) for a, b in zip(take(loader, 3), reference[5:]))
+
+
+def test_state_from_other_rank_is_refused(tmp_path):
+    args = resume_args(tmp_path, prefetch=0)
+    with build_train_loader(args, ByteTokenizer(), 0, 2) as loader:
+        state = loader.state_dict()
+    with pytest.raises(UserError, match="rank 0 of 2"):
+        build_train_loader(args, ByteTokenizer(), 1, 2, state=state)
+
+
+def test_source_weights_are_respected(tmp_path):
+    write_source(tmp_path, "a", [["a" * 10] * 20])
+    write_source(tmp_path, "b", [["b" * 10] * 20])
+    args = DataArgs(root_dir=str(tmp_path), sources={"a": 3.0, "b": 1.0}, seq_len=4, batch_size=16, prefetch=2)
+    with build_train_loader(args, ByteTokenizer(), 0, 1) as loader:
+        rows = torch.cat(take(loader, 50))
+    from_a = sum(ord("a") in row.tolist() for row in rows)
+    assert 0.70 < from_a / len(rows) < 0.80
+
+
+def test_missing_paths_are_user_errors(tmp_path):
+    tok = ByteTokenizer()
+    with pytest.raises(UserError, match="nowhere"):
+        build_train_loader(DataArgs(root_dir=str(tmp_path / "nowhere"), sources={"a": 1.0}), tok, 0, 1)
+    with pytest.raises(UserError, match="missing"):
+        build_train_loader(DataArgs(root_dir=str(tmp_path), sources={"missing": 1.0}), tok, 0, 1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no train"):
+        build_train_loader(DataArgs(root_dir=str(tmp_path), sources={"empty": 1.0}), tok, 0, 1)
+    with pytest.raises(UserError, match="valid.jsonl"):
+        load_validation(DataArgs(root_dir=str(tmp_path), sources={"empty": 1.0}), tok, 2)
+
+
+class FailingTokenizer(ByteTokenizer):
+    def encode(self, text):
+        if text == "boom":
+            raise RuntimeError("tokenizer failed")
+        return super().encode(text)
+
+
+def test_background_errors_reach_the_caller(tmp_path):
+    write_source(tmp_path, "a", [["fine"] * 3 + ["boom"]])
+    args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=5, batch_size=1, prefetch=2)
+    loader = build_train_loader(args, FailingTokenizer(), 0, 1)
+    assert next(loader).tolist() == [list(b"fine") + [EOS]]
+    with pytest.raises(RuntimeError, match="tokenizer failed"):
+        take(loader, 5)
+    with pytest.raises(RuntimeError, match="tokenizer failed"):  # and again, instead of hanging
+        next(loader)
+    loader.close()
+    assert not loader._thread.is_alive()
+
+
+def test_source_without_any_valid_document_is_a_user_error(tmp_path):
+    write_source(tmp_path, "a", [[b"junk\n", b"\n"]])
+    args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=4, batch_size=1, prefetch=1)
+    with build_train_loader(args, ByteTokenizer(), 0, 1) as loader, pytest.raises(UserError, match="no valid"):
+        next(loader)
+
+
+def test_validation_is_fixed_weighted_and_rank_disjoint(tmp_path):
+    write_source(tmp_path, "a", [["x"]], valid=texts(30, "va"))
+    write_source(tmp_path, "b", [["x"]], valid=texts(30, "vb"))
+    args = DataArgs(root_dir=str(tmp_path), sources={"a": 3.0, "b": 1.0}, seq_len=8)
+    tok = ByteTokenizer()
+    val = load_validation(args, tok, 4)
+    assert val.shape == (4, 8) and torch.equal(val, load_validation(args, tok, 4))
+    a_stream = [t for d in texts(30, "va") for t in list(d.encode()) + [EOS]]
+    assert val[:3].flatten().tolist() == a_stream[:24]  # 3 rows from a, 1 from b
+    assert bytes(val[3, :2].tolist()) == b"vb"
+    ranks = [load_validation(args, tok, 4, rank=r, world_size=2) for r in range(2)]
+    assert torch.equal(ranks[0], val)
+    assert ranks[1][:3].flatten().tolist() == a_stream[24:48]
+    with pytest.raises(UserError, match="valid.jsonl"):
+        load_validation(args, tok, 400)
