@@ -1,0 +1,86 @@
+"""Run metrics: one JSON line per logged step in DUMP_DIR/metrics.jsonl, readable progress lines, optional wandb."""
+
+import json
+import logging
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoggingArgs:
+    freq: int = 10  # steps between metric lines
+    peak_tflops: float = 989.0  # per device, for MFU; 989 = H100 SXM dense bf16. Set to your hardware's peak.
+    wandb_project: str = ""  # log to wandb too when set (needs `pip install wandb`)
+
+
+def setup_logging(log_file: Path | None = None) -> None:
+    """Progress on stdout (and in the run's log file); replaces handlers a previous run in this process added."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+    if log_file is not None:
+        handlers.append(logging.FileHandler(log_file))
+    fmt = logging.Formatter("%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S")
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class MetricLogger:
+    """Appends records to metrics.jsonl. On resume, drops the records past the resumed step, which the resumed run
+    will write again, so the file always describes one consistent run."""
+
+    def __init__(self, path: Path, resume_step: int, args: LoggingArgs, config: dict[str, Any]):
+        self.path = path
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.file = path.open("a")
+        self.wandb = None
+        if args.wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=args.wandb_project, config=config, dir=str(path.parent), resume="allow")
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(record, step=record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def format_progress(record: dict[str, Any], total_steps: int) -> str:
+    parts = [f"step {record['step']}/{total_steps}"]
+    for key, fmt in [
+        ("loss", "loss {:.4f}"),
+        ("accuracy", "acc {:.3f}"),
+        ("lr", "lr {:.2e}"),
+        ("grad_norm", "gnorm {:.2f}"),
+        ("data_tokens_per_s", "{:,.0f} tok/s"),
+        ("mfu", "mfu {:.2%}"),
+        ("memory_gib", "mem {:.1f}GiB"),
+    ]:
+        if key in record:
+            parts.append(fmt.format(record[key]))
+    return " | ".join(parts)

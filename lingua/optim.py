@@ -1,0 +1,57 @@
+"""AdamW with linear warm-up then cosine decay to a minimum learning rate (paper: betas 0.9/0.95, min lr 1e-6)."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lingua.args import UserError
+
+
+@dataclass
+class OptimArgs:
+    lr: float = 6e-4
+    lr_min: float = 1e-6
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup: int = 2000  # steps of linear warm-up from 0
+    clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+    def __post_init__(self):
+        if self.lr_min > self.lr:
+            raise UserError(f"optim.lr_min ({self.lr_min}) is larger than optim.lr ({self.lr})")
+
+
+def lr_at(step: int, args: OptimArgs, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based)."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    decay_steps = max(total_steps - args.warmup, 1)
+    progress = min((step - args.warmup) / decay_steps, 1.0)
+    return args.lr_min + 0.5 * (args.lr - args.lr_min) * (1 + math.cos(math.pi * progress))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on norms, biases (1-d tensors) and embeddings (nn.Embedding, or a parameter named *embedding)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        exempt = param.ndim < 2 or id(param) in embeddings or name.endswith("embedding")
+        (no_decay if exempt else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, args: OptimArgs, total_steps: int):
+    optimizer = torch.optim.AdamW(
+        param_groups(model, args.weight_decay),
+        lr=args.lr,
+        betas=(args.beta1, args.beta2),
+        eps=args.eps,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, args, total_steps) / args.lr)
+    return optimizer, scheduler
