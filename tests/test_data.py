@@ -6,17 +6,12 @@ import torch
 
 from lingua.args import UserError
 from lingua.data import DataArgs, build_train_loader, load_validation
+from lingua.tokenizer import BytesTokenizer, TokenizerArgs, build_tokenizer
 
-EOS = 257
+EOS = 257  # </s> of the "bytes" tokenizer, whose other ids are the UTF-8 bytes
 
 
-class ByteTokenizer:
-    """Stand-in with the ids of the "bytes" tokenizer: bytes 0..255, <s>=256, </s>=257."""
-
-    eos_id = EOS
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+TOK = build_tokenizer(TokenizerArgs(name="bytes"))
 
 
 def write_source(root, name, chunks, valid=()):
@@ -58,7 +53,7 @@ def test_packing_is_the_exact_document_stream(tmp_path):
     docs = texts(40)
     write_source(tmp_path, "a", [docs[:25], docs[25:]])
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=7, batch_size=3, prefetch=2)
-    with build_train_loader(args, ByteTokenizer(), 0, 1) as loader:
+    with build_train_loader(args, TOK, 0, 1) as loader:
         batches = take(loader, 20)
     assert all(b.shape == (3, 7) and b.dtype == torch.long for b in batches)
     expected = [t for d in docs for t in list(d.encode()) + [EOS]]
@@ -68,7 +63,7 @@ def test_packing_is_the_exact_document_stream(tmp_path):
 def epoch_docs(tmp_path, rank, world_size):
     """The documents one rank sees in its first epoch (they repeat, in order, once the epoch ends)."""
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=16, batch_size=2, prefetch=1)
-    with build_train_loader(args, ByteTokenizer(), rank, world_size) as loader:
+    with build_train_loader(args, TOK, rank, world_size) as loader:
         tokens = []
         while True:
             tokens += stream(take(loader, 1))
@@ -95,7 +90,7 @@ def test_too_many_ranks_for_the_data_is_a_user_error(tmp_path):
     write_source(tmp_path, "a", [["one", "two"]])
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=4, batch_size=1)
     with pytest.raises(UserError, match="too small"):
-        build_train_loader(args, ByteTokenizer(), 2, 3)
+        build_train_loader(args, TOK, 2, 3)
 
 
 def test_malformed_lines_are_skipped_and_counted(tmp_path, caplog):
@@ -112,7 +107,7 @@ def test_malformed_lines_are_skipped_and_counted(tmp_path, caplog):
     ]
     write_source(tmp_path, "a", [lines])
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=5, batch_size=2, prefetch=2)
-    with caplog.at_level(logging.WARNING), build_train_loader(args, ByteTokenizer(), 0, 1) as loader:
+    with caplog.at_level(logging.WARNING), build_train_loader(args, TOK, 0, 1) as loader:
         assert loader.malformed_lines == 0
         batches = take(loader, 2)  # 20 tokens: "first", "second" and part of the last document
         assert loader.malformed_lines == 6
@@ -132,61 +127,59 @@ def resume_args(tmp_path, **kw):
 @pytest.mark.parametrize("n", [1, 7, 30])  # 30 batches run past the end of an epoch of both sources
 def test_resume_gives_exactly_the_next_batches(tmp_path, n):
     args = resume_args(tmp_path, prefetch=4)
-    tok = ByteTokenizer()
-    with build_train_loader(args, tok, 1, 2) as loader:
+    with build_train_loader(args, TOK, 1, 2) as loader:
         reference = take(loader, n + 10)
-    with build_train_loader(args, tok, 1, 2) as loader:
+    with build_train_loader(args, TOK, 1, 2) as loader:
         take(loader, n)
         state = json.loads(json.dumps(loader.state_dict()))
     assert state["sources"]["b"]["epoch"] >= (n == 30)
-    with build_train_loader(args, tok, 1, 2, state=state) as loader:
+    with build_train_loader(args, TOK, 1, 2, state=state) as loader:
         resumed = take(loader, 10)
     assert all(torch.equal(a, b) for a, b in zip(resumed, reference[n:]))
 
 
 def test_resume_without_prefetch_thread(tmp_path):
     args = resume_args(tmp_path, prefetch=0)
-    with build_train_loader(args, ByteTokenizer(), 0, 1) as loader:
+    with build_train_loader(args, TOK, 0, 1) as loader:
         reference = take(loader, 8)
-    with build_train_loader(args, ByteTokenizer(), 0, 1) as loader:
+    with build_train_loader(args, TOK, 0, 1) as loader:
         take(loader, 5)
         state = loader.state_dict()
-    with build_train_loader(args, ByteTokenizer(), 0, 1, state=state) as loader:
+    with build_train_loader(args, TOK, 0, 1, state=state) as loader:
         assert all(torch.equal(a, b) for a, b in zip(take(loader, 3), reference[5:]))
 
 
 def test_state_from_other_rank_is_refused(tmp_path):
     args = resume_args(tmp_path, prefetch=0)
-    with build_train_loader(args, ByteTokenizer(), 0, 2) as loader:
+    with build_train_loader(args, TOK, 0, 2) as loader:
         state = loader.state_dict()
     with pytest.raises(UserError, match="rank 0 of 2"):
-        build_train_loader(args, ByteTokenizer(), 1, 2, state=state)
+        build_train_loader(args, TOK, 1, 2, state=state)
 
 
 def test_source_weights_are_respected(tmp_path):
     write_source(tmp_path, "a", [["a" * 10] * 20])
     write_source(tmp_path, "b", [["b" * 10] * 20])
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 3.0, "b": 1.0}, seq_len=4, batch_size=16, prefetch=2)
-    with build_train_loader(args, ByteTokenizer(), 0, 1) as loader:
+    with build_train_loader(args, TOK, 0, 1) as loader:
         rows = torch.cat(take(loader, 50))
     from_a = sum(ord("a") in row.tolist() for row in rows)
     assert 0.70 < from_a / len(rows) < 0.80
 
 
 def test_missing_paths_are_user_errors(tmp_path):
-    tok = ByteTokenizer()
     with pytest.raises(UserError, match="nowhere"):
-        build_train_loader(DataArgs(root_dir=str(tmp_path / "nowhere"), sources={"a": 1.0}), tok, 0, 1)
+        build_train_loader(DataArgs(root_dir=str(tmp_path / "nowhere"), sources={"a": 1.0}), TOK, 0, 1)
     with pytest.raises(UserError, match="missing"):
-        build_train_loader(DataArgs(root_dir=str(tmp_path), sources={"missing": 1.0}), tok, 0, 1)
+        build_train_loader(DataArgs(root_dir=str(tmp_path), sources={"missing": 1.0}), TOK, 0, 1)
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no train"):
-        build_train_loader(DataArgs(root_dir=str(tmp_path), sources={"empty": 1.0}), tok, 0, 1)
+        build_train_loader(DataArgs(root_dir=str(tmp_path), sources={"empty": 1.0}), TOK, 0, 1)
     with pytest.raises(UserError, match="valid.jsonl"):
-        load_validation(DataArgs(root_dir=str(tmp_path), sources={"empty": 1.0}), tok, 2)
+        load_validation(DataArgs(root_dir=str(tmp_path), sources={"empty": 1.0}), TOK, 2)
 
 
-class FailingTokenizer(ByteTokenizer):
+class FailingTokenizer(BytesTokenizer):
     def encode(self, text):
         if text == "boom":
             raise RuntimeError("tokenizer failed")
@@ -209,7 +202,7 @@ def test_background_errors_reach_the_caller(tmp_path):
 def test_source_without_any_valid_document_is_a_user_error(tmp_path):
     write_source(tmp_path, "a", [[b"junk\n", b"\n"]])
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=4, batch_size=1, prefetch=1)
-    with build_train_loader(args, ByteTokenizer(), 0, 1) as loader, pytest.raises(UserError, match="no valid"):
+    with build_train_loader(args, TOK, 0, 1) as loader, pytest.raises(UserError, match="no valid"):
         next(loader)
 
 
@@ -217,14 +210,13 @@ def test_validation_is_fixed_weighted_and_rank_disjoint(tmp_path):
     write_source(tmp_path, "a", [["x"]], valid=texts(30, "va"))
     write_source(tmp_path, "b", [["x"]], valid=texts(30, "vb"))
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 3.0, "b": 1.0}, seq_len=8)
-    tok = ByteTokenizer()
-    val = load_validation(args, tok, 4)
-    assert val.shape == (4, 8) and torch.equal(val, load_validation(args, tok, 4))
+    val = load_validation(args, TOK, 4)
+    assert val.shape == (4, 8) and torch.equal(val, load_validation(args, TOK, 4))
     a_stream = [t for d in texts(30, "va") for t in list(d.encode()) + [EOS]]
     assert val[:3].flatten().tolist() == a_stream[:24]  # 3 rows from a, 1 from b
     assert bytes(val[3, :2].tolist()) == b"vb"
-    ranks = [load_validation(args, tok, 4, rank=r, world_size=2) for r in range(2)]
+    ranks = [load_validation(args, TOK, 4, rank=r, world_size=2) for r in range(2)]
     assert torch.equal(ranks[0], val)
     assert ranks[1][:3].flatten().tolist() == a_stream[24:48]
     with pytest.raises(UserError, match="valid.jsonl"):
-        load_validation(args, tok, 400)
+        load_validation(args, TOK, 400)
