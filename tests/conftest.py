@@ -1,0 +1,60 @@
+"""Shared fixtures: a tiny JSONL corpus in the training layout and tiny training configs."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+WORDS = (
+    "the a cat dog sat on mat ran to park red blue green big small house tree river stone bird sang "
+    "under over quickly slowly happy tall old young and then after before"
+).split()
+
+
+def write_corpus(root: Path, n_docs: int = 300, seed: int = 0) -> Path:
+    """ROOT/tiny/train.0000{0,1}.jsonl + valid.jsonl of short sentences with a learnable structure."""
+    rng = random.Random(seed)
+    source = root / "tiny"
+    source.mkdir(parents=True)
+
+    def doc() -> str:
+        return " ".join(
+            f"the {rng.choice(WORDS[2:10])} {rng.choice(WORDS[10:18])} the {rng.choice(WORDS[18:30])}."
+            for _ in range(rng.randint(2, 6))
+        )
+
+    for chunk in range(2):
+        lines = [json.dumps({"text": doc()}) for _ in range(n_docs // 2)]
+        (source / f"train.{chunk:05d}.jsonl").write_text("\n".join(lines) + "\n")
+    (source / "valid.jsonl").write_text("\n".join(json.dumps({"text": doc()}) for _ in range(60)) + "\n")
+    return root
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_corpus(tmp_path / "data")
+
+
+def tiny_argv(data_root: Path, dump_dir: Path, steps: int) -> list[str]:
+    """A model small enough that a few dozen steps take seconds on one CPU core."""
+    return [
+        f"dump_dir={dump_dir}",
+        f"steps={steps}",
+        f"data.root_dir={data_root}",
+        "data.sources.tiny=1.0",
+        "data.seq_len=32",
+        "data.batch_size=8",
+        "data.prefetch=2",
+        "data.tokenizer.name=bytes",
+        "model.encoder.dim=32",
+        "model.encoder.n_layers=2",
+        "model.encoder.n_heads=2",
+        "model.encoder.max_seqlen=32",
+        "optim.lr=3e-3",
+        "optim.warmup=5",
+        "logging.freq=1",
+        "validation.every=10",
+        "validation.n_sequences=8",
+        "checkpoint.every=10",
+    ]

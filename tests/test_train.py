@@ -1,0 +1,122 @@
+"""End-to-end runs of the shared training loop with the BERT app on a tiny corpus."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from apps.bert.train import APP
+from conftest import tiny_argv
+from lingua.args import load_config
+from lingua.checkpoint import load_model
+from lingua.train import train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def read_metrics(dump_dir: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in (dump_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "loss" in r}
+
+
+def run(argv):
+    return train(APP, load_config(APP.args_cls, argv))
+
+
+def test_loss_falls_and_run_artifacts(corpus, tmp_path):
+    dump = tmp_path / "run"
+    summary = run(tiny_argv(corpus, dump, steps=40))
+    losses = [m["loss"] for m in read_metrics(dump).values()]
+    assert summary["steps"] == 40 and len(losses) == 40
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
+    assert (dump / "config.yaml").exists() and (dump / "consolidated.pt").exists()
+    assert sorted(p.name for p in (dump / "checkpoints").iterdir()) == ["0000000020", "0000000030", "0000000040"]
+    record = read_metrics(dump)[40]
+    for key in ("accuracy", "lr", "grad_norm", "data_tokens_per_s", "token_views_per_s", "mfu", "memory_gib"):
+        assert key in record
+    val = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines() if "val/loss" in line]
+    assert [v["step"] for v in val] == [10, 20, 30, 40]
+
+
+def test_exact_resume(corpus, tmp_path):
+    """A run resumed from its step-20 checkpoint reproduces the uninterrupted run's losses exactly."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run(tiny_argv(corpus, full, steps=40))
+    shutil.copytree(full, resumed)
+    for later in ("0000000030", "0000000040"):
+        shutil.rmtree(resumed / "checkpoints" / later)
+    (resumed / "consolidated.pt").unlink()
+    run(tiny_argv(corpus, resumed, steps=40))
+    reference, continued = read_metrics(full), read_metrics(resumed)
+    assert sorted(continued) == list(range(1, 41))
+    for step in range(21, 41):
+        assert continued[step]["loss"] == reference[step]["loss"], step
+
+
+def test_sigkill_then_restart_continues_exactly(corpus, tmp_path):
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    argv = tiny_argv(corpus, killed, steps=30) + ["checkpoint.every=5"]
+    cmd = [sys.executable, "-m", "apps.bert.train", *argv]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((killed / "checkpoints").glob("00000000[1-9]0")):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+    run(tiny_argv(corpus, reference, steps=30) + ["checkpoint.every=5"])
+    expected, got = read_metrics(reference), read_metrics(killed)
+    assert sorted(got) == list(range(1, 31))
+    assert all(got[s]["loss"] == expected[s]["loss"] for s in got)
+
+
+def test_sigterm_saves_and_stops(corpus, tmp_path, monkeypatch):
+    dump = tmp_path / "run"
+    from lingua import train as loop
+
+    original = loop.clip_gradients
+    calls = []
+
+    def clip_then_signal(model, max_norm):  # deliver SIGTERM during step 3
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(model, max_norm)
+
+    monkeypatch.setattr(loop, "clip_gradients", clip_then_signal)
+    summary = run(tiny_argv(corpus, dump, steps=40))
+    assert summary["steps"] == 3
+    assert [p.name for p in (dump / "checkpoints").iterdir()] == ["0000000003"]
+
+
+def test_exported_model_encodes(corpus, tmp_path):
+    dump = tmp_path / "run"
+    run(tiny_argv(corpus, dump, steps=2))
+    model, config, tokenizer = load_model(dump)
+    from_checkpoint, _, _ = load_model(dump / "checkpoints" / "0000000002")
+    tokens = torch.tensor([tokenizer.encode("the cat sat.")])
+    out = model.encode(tokens, torch.ones_like(tokens, dtype=torch.bool))
+    assert out.shape == (1, tokens.shape[1], config.model.encoder.dim)
+    assert torch.equal(out, from_checkpoint.encode(tokens))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["model.encoder.dimm=3"], "unknown config key 'model.encoder.dimm'"),
+        (["data.root_dir=/nonexistent/data"], "/nonexistent/data"),
+    ],
+)
+def test_user_errors_are_one_line(corpus, tmp_path, extra, message):
+    argv = tiny_argv(corpus, tmp_path / "run", steps=2) + extra
+    proc = subprocess.run([sys.executable, "-m", "apps.bert.train", *argv], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
