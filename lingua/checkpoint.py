@@ -12,6 +12,7 @@ saving leaves the previous checkpoint in force. Older checkpoints beyond `keep` 
 `python -m lingua.checkpoint export CHECKPOINT_DIR OUT.pt` consolidates any checkpoint into one file.
 """
 
+import contextlib
 import importlib
 import json
 import logging
@@ -19,6 +20,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,14 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+@contextlib.contextmanager
+def _dcp_quietly():
+    """DCP warns on every call that it runs in a single process; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -81,7 +91,8 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        with _dcp_quietly():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         _write_json(tmp / f"train_state_{rank:05d}.json", train_state)
         if rank == 0:
             _write_json(tmp / "params.json", params)
@@ -99,7 +110,8 @@ class CheckpointManager:
         rank, _ = rank_and_world()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
+        with _dcp_quietly():
+            dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         state_file = path / f"train_state_{rank:05d}.json"
         if not state_file.exists():
@@ -168,7 +180,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
         params = json.loads((path / "params.json").read_text())
         model, config, tokenizer = build_from_params(params, device)
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path))
+        with _dcp_quietly():
+            dcp.load(state, checkpoint_id=str(path))
         model.load_state_dict(state["model"])
     else:
         saved = torch.load(path, map_location=device, weights_only=True)

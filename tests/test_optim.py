@@ -1,0 +1,58 @@
+import math
+
+import pytest
+import torch
+
+from lingua.args import UserError
+from lingua.optim import OptimArgs, build_optimizer, lr_at, param_groups
+from lingua.transformer import Encoder, TransformerArgs, init_weights
+
+
+def test_schedule_warmup_then_cosine_to_min():
+    args = OptimArgs(lr=1e-3, lr_min=1e-6, warmup=10)
+    lrs = [lr_at(s, args, total_steps=110) for s in range(110)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[60] == pytest.approx(1e-6 + 0.5 * (1e-3 - 1e-6))  # half-way through the decay
+    assert lr_at(110, args, 110) == pytest.approx(1e-6) and lr_at(500, args, 110) == pytest.approx(1e-6)
+
+
+def test_scheduler_follows_lr_at():
+    model = torch.nn.Linear(2, 2)
+    args = OptimArgs(lr=1e-2, warmup=3)
+    optimizer, scheduler = build_optimizer(model, args, total_steps=20)
+    for step in range(20):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(step, args, 20))
+        optimizer.step()
+        scheduler.step()
+
+
+def test_no_weight_decay_on_norms_biases_embeddings():
+    model = Encoder(TransformerArgs(dim=16, n_layers=1, n_heads=2, max_seqlen=8), vocab_size=10)
+    model.bias_holder = torch.nn.Linear(16, 16, bias=True)
+    init_weights(model, 0.02)
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in no_decay["params"]} == {
+        "tok_embeddings.weight", "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight", "norm.weight",
+        "bias_holder.bias",
+    }
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim == 2 for p in decay["params"])
+
+
+def test_lr_min_above_lr_is_an_error():
+    with pytest.raises(UserError, match="lr_min"):
+        OptimArgs(lr=1e-4, lr_min=1e-3)
+
+
+def test_gradient_clipping_caps_the_norm():
+    from lingua.train import clip_gradients
+
+    model = torch.nn.Linear(4, 4)
+    (model(torch.ones(1, 4)) * 100).sum().backward()
+    norm = clip_gradients(model, 1.0)
+    assert norm > 1.0
+    total = math.sqrt(sum(p.grad.pow(2).sum().item() for p in model.parameters()))
+    assert total == pytest.approx(1.0, rel=1e-4)
