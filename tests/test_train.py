@@ -120,3 +120,13 @@ def test_user_errors_are_one_line(corpus, tmp_path, extra, message):
     proc = subprocess.run([sys.executable, "-m", "apps.bert.train", *argv], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_gradient_accumulation_matches_a_full_batch(corpus, tmp_path):
+    """Two micro-batches of 4 rows give the same step as one batch of 8 rows (same rows, same masks)."""
+    full = run(tiny_argv(corpus, tmp_path / "full", steps=3))
+    accumulated = run(tiny_argv(corpus, tmp_path / "acc", steps=3) + ["data.batch_size=4", "grad_acc_steps=2"])
+    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "acc")
+    assert full["data_tokens"] == accumulated["data_tokens"]
+    for step in (1, 2, 3):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5)
