@@ -1,0 +1,162 @@
+"""CrossBERT: a deep encoder over the visible tokens and a shallow cross-attention predictor (paper sections 3, 5.1).
+
+Each sequence of S tokens is split by a random permutation into a masked set of exactly M = round(mask_ratio * S)
+positions and a visible set of the other S - M. The encoder sees only the visible tokens, gathered by index, each
+keeping its original position through RoPE (no <mask> token ever enters it). The predictor places one learned mask
+embedding at every masked position (RoPE with that position) and reads out the encoder through cross-attention only:
+its queries never attend to each other, so it cannot reconstruct a token from the other masked tokens.
+
+Complementary Masking Strategy (CMS, on by default): view A keeps the visible set and predicts the masked set, view B
+keeps the masked set and predicts the visible set. Both views of a sequence are packed into one encoder row of S
+tokens (A's S - M visible tokens, then B's M) and one row of S predictor queries (A's M, then B's S - M), with
+per-token view ids as attention masks so nothing crosses between the views. Shapes are static for any ratio, and
+every token of every sequence gets exactly one prediction per step.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from apps.bert.model import masked_lm_loss, num_masked, random_positions
+from lingua.args import UserError
+from lingua.flops import crossbert_flops_per_token_view
+from lingua.transformer import (
+    AttnMask,
+    CrossAttentionBlock,
+    Encoder,
+    RMSNorm,
+    RotaryEmbedding,
+    TransformerArgs,
+    build_attn_bias,
+    default_positions,
+    head_dim_of,
+    init_weights,
+    padding_mask,
+    trunc_normal_,
+)
+
+
+@dataclass
+class PredictorArgs:
+    """Unset fields follow the encoder: a quarter of its depth (at least one layer), its width and heads."""
+
+    n_layers: int | None = None
+    dim: int | None = None
+    n_heads: int | None = None
+    head_dim: int | None = None
+
+
+@dataclass
+class CrossBertArgs:
+    encoder: TransformerArgs = field(default_factory=TransformerArgs)
+    predictor: PredictorArgs = field(default_factory=PredictorArgs)
+    mask_ratio: float = 0.5  # the paper's CrossBERT
+    cms: bool = True
+
+    def __post_init__(self):
+        if not 0 < self.mask_ratio < 1:
+            raise UserError(f"mask_ratio must be strictly between 0 and 1, got {self.mask_ratio}")
+
+    def predictor_transformer(self) -> TransformerArgs:
+        """The predictor's block shapes; norms, RoPE, init and attention backend are the encoder's."""
+        enc, pred = self.encoder, self.predictor
+        same_width = pred.dim is None and pred.n_heads is None
+        return dataclasses.replace(
+            enc,
+            n_layers=pred.n_layers if pred.n_layers is not None else max(1, enc.n_layers // 4),
+            dim=pred.dim or enc.dim,
+            n_heads=pred.n_heads or enc.n_heads,
+            head_dim=pred.head_dim or (enc.head_dim if same_width else None),
+        )
+
+
+class Predictor(nn.Module):
+    """Learned mask embedding at each query position, cross-attention blocks over the encoder output, final norm.
+
+    When its width differs from the encoder's, the encoder output is projected in and the result projected back out
+    to the encoder's width (for the tied output head); with equal widths (the paper) both are identities.
+    """
+
+    def __init__(self, args: TransformerArgs, encoder_dim: int):
+        super().__init__()
+        self.args = args
+        self.mask_embedding = nn.Parameter(torch.empty(args.dim))
+        self.rope = RotaryEmbedding(head_dim_of(args), args.max_seqlen, args.rope_theta)
+        resize = args.dim != encoder_dim
+        self.context_proj = nn.Linear(encoder_dim, args.dim, bias=False) if resize else nn.Identity()
+        self.layers = nn.ModuleList(CrossAttentionBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output_proj = nn.Linear(args.dim, encoder_dim, bias=False) if resize else nn.Identity()
+
+    def forward(self, context, context_positions, query_positions, mask: AttnMask | None) -> torch.Tensor:
+        """context [B, Sk, D_enc] at context_positions [B, Sk]; queries at query_positions [B, Q] -> [B, Q, D_enc]."""
+        h = self.mask_embedding.expand(*query_positions.shape, -1)
+        context = self.context_proj(context)
+        q_rope, kv_rope = self.rope(query_positions), self.rope(context_positions)
+        bias = build_attn_bias(mask, self.args.attn_backend, self.args.n_heads)
+        for layer in self.layers:
+            h = layer(h, context, q_rope, kv_rope, bias)
+        return self.output_proj(self.norm(h))
+
+
+class CrossBert(nn.Module):
+    def __init__(self, args: CrossBertArgs, vocab_size: int):
+        super().__init__()
+        self.args = args
+        # Token-views per data sequence: with CMS each sequence is seen as two complementary views in one step.
+        self.views_per_sequence = 2 if args.cms else 1
+        self.encoder = Encoder(args.encoder, vocab_size)
+        self.predictor = Predictor(args.predictor_transformer(), args.encoder.dim)
+
+    def make_batch(self, tokens: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Split each row into masked/visible sets and lay out the encoder and predictor rows (static shapes)."""
+        B, S = tokens.shape
+        n_masked = num_masked(self.args.mask_ratio, S)
+        if not 0 < n_masked < S:
+            raise UserError(f"mask_ratio {self.args.mask_ratio} masks {n_masked} of {S} tokens; need 0 < M < S")
+        perm = random_positions(B, S, generator, tokens.device)
+        masked, visible = perm[:, :n_masked].sort(1).values, perm[:, n_masked:].sort(1).values
+        if not self.args.cms:
+            return self._rows(tokens, visible, masked)
+        encoder_views = (torch.arange(S, device=tokens.device) >= S - n_masked).long().repeat(B, 1)
+        query_views = (torch.arange(S, device=tokens.device) >= n_masked).long().repeat(B, 1)
+        batch = self._rows(tokens, torch.cat([visible, masked], 1), torch.cat([masked, visible], 1))
+        return batch | {"encoder_views": encoder_views, "query_views": query_views}
+
+    @staticmethod
+    def _rows(tokens, encoder_positions, query_positions) -> dict[str, torch.Tensor]:
+        return {
+            "inputs": tokens.gather(1, encoder_positions),
+            "positions": encoder_positions,
+            "query_positions": query_positions,
+            "targets": tokens.gather(1, query_positions),
+        }
+
+    def forward(self, inputs, positions, query_positions, targets, encoder_views=None, query_views=None):
+        logits = self.encoder.logits(self.predict(inputs, positions, query_positions, encoder_views, query_views))
+        return masked_lm_loss(logits, targets)
+
+    def predict(self, inputs, positions, query_positions, encoder_views=None, query_views=None) -> torch.Tensor:
+        """Predictor outputs [B, Q, D_enc] before the tied head; view ids (CMS) keep each view to itself."""
+        views = encoder_views is not None
+        h = self.encoder(inputs, positions, AttnMask(encoder_views, encoder_views) if views else None)
+        return self.predictor(h, positions, query_positions, AttnMask(query_views, encoder_views) if views else None)
+
+    def encode(self, tokens, pad_mask=None, all_layers: bool = False):
+        """The encoder on the full, unmasked sequence (evaluation)."""
+        return self.encoder(tokens, default_positions(tokens), padding_mask(pad_mask), all_layers)
+
+    def flops_per_token_view(self, seq_len: int) -> float:
+        return crossbert_flops_per_token_view(
+            self.args.encoder, self.args.predictor_transformer(), self.args.mask_ratio, seq_len, self.args.cms
+        )
+
+    def init_weights(self) -> None:
+        init_weights(self, self.args.encoder.init_std)
+        trunc_normal_(self.predictor.mask_embedding, self.args.encoder.init_std)
+
+
+def build_crossbert(args: CrossBertArgs, tokenizer) -> CrossBert:
+    return CrossBert(args, tokenizer.vocab_size)
