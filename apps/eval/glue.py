@@ -1,0 +1,90 @@
+"""Frozen GLUE evaluation of a checkpoint of any app (linear and kNN probes, paper section 4.1):
+
+    python -m apps.eval.glue ckpt=DUMP_DIR_OR_CHECKPOINT data=GLUE_DIR_OR_hf [tasks=sst2,cola] [probes=linear,knn]
+        [layers=last|all|0,3] [max_train=10000] [out=RESULTS_DIR_OR_JSON] [cache_dir=DIR] [device=auto]
+
+Prints the scores (one row per task, then the paper's table layout with the average) and writes results.json,
+by default to DUMP_DIR/glue_eval/<checkpoint name>/. Features are cached in DUMP_DIR/glue_eval/cache, keyed by the
+checkpoint's files, so probing again (other probes, another train cap) skips the forward passes.
+"""
+
+import json
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from lingua.args import UserError, load_config
+from lingua.checkpoint import load_model, resolve_checkpoint
+from lingua.glue import DEFAULT_MAX_LEN, FeatureCache, GlueEvalArgs, evaluate_glue, format_table
+from lingua.metrics import setup_logging
+from lingua.train import resolve_device
+
+
+@dataclass
+class GlueCommandArgs(GlueEvalArgs):
+    ckpt: str = ""  # consolidated.pt, a checkpoint folder, or a run's dump_dir (its consolidated.pt, else newest)
+    out: str = ""  # results file (.json) or folder; default DUMP_DIR/glue_eval/<checkpoint name>/results.json
+    cache_dir: str = ""  # feature cache; default DUMP_DIR/glue_eval/cache
+    device: str = "auto"  # auto: cuda if available, else cpu
+
+
+def run_dump_dir(checkpoint: Path) -> Path:
+    """The run folder a checkpoint belongs to: DUMP_DIR for DUMP_DIR/checkpoints/NNN or DUMP_DIR/consolidated.pt."""
+    if checkpoint.is_dir() and checkpoint.parent.name == "checkpoints":
+        return checkpoint.parent.parent
+    return checkpoint.parent if checkpoint.is_file() else checkpoint
+
+
+def checkpoint_identity(checkpoint: Path) -> str:
+    """Path, sizes and modification times of the checkpoint's files: changes whenever the weights are rewritten."""
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file()) if checkpoint.is_dir() else [checkpoint]
+    return json.dumps([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files])
+
+
+def results_path(out: str, dump_dir: Path, checkpoint: Path) -> Path:
+    if out:
+        return Path(out) if out.endswith(".json") else Path(out) / "results.json"
+    return dump_dir / "glue_eval" / checkpoint.name.removesuffix(".pt") / "results.json"
+
+
+def run(args: GlueCommandArgs) -> dict:
+    if not args.ckpt:
+        raise UserError("ckpt= is required: a consolidated.pt, a checkpoint folder or a run's dump_dir")
+    checkpoint = resolve_checkpoint(args.ckpt)
+    try:
+        device = resolve_device(args.device)
+    except RuntimeError as e:
+        raise UserError(f"device: {e}") from None
+    model, config, tokenizer = load_model(checkpoint, device)
+    if not args.max_len:  # the length the model was trained on
+        args = replace(args, max_len=getattr(getattr(config, "data", None), "seq_len", DEFAULT_MAX_LEN))
+    dump_dir = run_dump_dir(checkpoint)
+    cache = FeatureCache(args.cache_dir or dump_dir / "glue_eval" / "cache", checkpoint_identity(checkpoint))
+    results = {"checkpoint": str(checkpoint), "args": asdict(args),
+               **evaluate_glue(model, tokenizer, args, device, cache)}
+    if not results["tasks"]:
+        raise UserError("no GLUE task could be evaluated: " + "; ".join(
+            f"{name}: {why}" for name, why in results["skipped"].items()))
+    path = results_path(args.out, dump_dir, checkpoint)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1))
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror}") from None
+    print(format_table(results))
+    print(f"results: {path}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        args = load_config(GlueCommandArgs, sys.argv[1:] if argv is None else argv)
+        setup_logging()
+        run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
