@@ -11,10 +11,12 @@ from torch import nn
 
 from apps.bert.model import BertArgs
 from apps.bert.train import BertTrainArgs
+from apps.crossbert.model import CrossBertArgs
+from apps.crossbert.train import CrossBertTrainArgs
 from apps.eval import glue as glue_command
 from lingua import glue
 from lingua.args import UserError, to_dict
-from lingua.checkpoint import build_from_params, export_consolidated
+from lingua.checkpoint import CheckpointArgs, CheckpointManager, build_from_params, export_consolidated
 from lingua.data import DataArgs
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.transformer import TransformerArgs
@@ -196,21 +198,29 @@ def test_bad_settings_are_user_errors(tokenizer):
             glue.evaluate_glue(StandInEncoder(), tokenizer, _args(**overrides), CPU)
 
 
-def tiny_checkpoint(run_dir: Path) -> Path:
-    """A real consolidated export of a tiny (untrained) BERT with the byte tokenizer."""
-    args = BertTrainArgs(dump_dir=str(run_dir), data=DataArgs(seq_len=64, tokenizer=TokenizerArgs(name="bytes")),
-                         model=BertArgs(encoder=TransformerArgs(dim=32, n_layers=2, n_heads=2, max_seqlen=64)))
-    params = {"app": "apps.bert.train", "config": to_dict(args)}
+def tiny_run(run_dir: Path, app: str = "bert", consolidated: bool = True) -> Path:
+    """A real checkpoint of a tiny (untrained) model with the byte tokenizer: a consolidated export, or a DCP
+    checkpoint folder under run_dir/checkpoints. Returns the file or folder."""
+    encoder = TransformerArgs(dim=32, n_layers=2, n_heads=2, max_seqlen=64)
+    data = DataArgs(seq_len=64, tokenizer=TokenizerArgs(name="bytes"))
+    if app == "bert":
+        args = BertTrainArgs(dump_dir=str(run_dir), data=data, model=BertArgs(encoder=encoder))
+    else:
+        args = CrossBertTrainArgs(dump_dir=str(run_dir), data=data, model=CrossBertArgs(encoder=encoder))
+    params = {"app": f"apps.{app}.train", "config": to_dict(args)}
     torch.manual_seed(0)
     model, _, _ = build_from_params(params)
     run_dir.mkdir(parents=True)
-    return export_consolidated(model, params, run_dir / "consolidated.pt")
+    if consolidated:
+        return export_consolidated(model, params, run_dir / "consolidated.pt")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return CheckpointManager(run_dir / "checkpoints", CheckpointArgs()).save(10, model, optimizer, {}, params)
 
 
 def test_command_end_to_end(tmp_path, capsys):
     shutil.copytree(FIXTURES, tmp_path / "glue")
     (tmp_path / "glue" / "QNLI" / "train.tsv").unlink()  # like the real data here: QNLI has no train split
-    checkpoint = tiny_checkpoint(tmp_path / "run")
+    checkpoint = tiny_run(tmp_path / "run")
     glue_command.main([f"ckpt={tmp_path / 'run'}", f"data={tmp_path / 'glue'}", "probes=linear,knn"])
     out = capsys.readouterr().out
     table = out[out.index("probe  "):].splitlines()
@@ -224,6 +234,15 @@ def test_command_end_to_end(tmp_path, capsys):
     scores = results["summary"]["last"]["linear"]
     assert scores["avg"] == pytest.approx(sum(v for k, v in scores.items() if k != "avg") / 7)
     assert len(list((tmp_path / "run" / "glue_eval" / "cache").glob("*.pt"))) == 14  # 7 tasks x 2 splits
+
+
+def test_command_on_a_crossbert_checkpoint_folder(tmp_path, capsys):
+    checkpoint = tiny_run(tmp_path / "run", app="crossbert", consolidated=False)
+    glue_command.main([f"ckpt={tmp_path / 'run'}", f"data={FIXTURES}", "tasks=sst2,stsb", "layers=all"])
+    results = json.loads((tmp_path / "run" / "glue_eval" / checkpoint.name / "results.json").read_text())
+    assert results["checkpoint"] == str(checkpoint) and results["layers"] == ["0", "1"]
+    assert set(results["summary"]["1"]["knn"]) == {"sst2", "stsb", "avg"}
+    assert "linear L0" in capsys.readouterr().out
 
 
 def test_command_errors_are_one_line(tmp_path, capsys):
@@ -253,7 +272,7 @@ def test_real_glue_files_parse_completely():
 
 @pytest.mark.skipif(not REAL_GLUE.is_dir(), reason="real GLUE files not present")
 def test_command_on_real_glue(tmp_path, capsys):
-    tiny_checkpoint(tmp_path / "run")
+    tiny_run(tmp_path / "run")
     glue_command.main([f"ckpt={tmp_path / 'run'}", f"data={REAL_GLUE}", "tasks=rte,mrpc,qnli", "max_train=300",
                        f"out={tmp_path / 'scores.json'}"])
     results = json.loads((tmp_path / "scores.json").read_text())
