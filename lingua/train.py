@@ -182,10 +182,11 @@ def train(app: App, args) -> dict[str, Any]:
     )
 
     step, first_loss, last = state["step"], None, {}
+    window = Window()
     start = time.perf_counter()
     with build_train_loader(args.data, tokenizer, rank, world_size, state["data"]) as loader, StopSignal() as stop:
         while step < args.steps and not stop.requested:
-            loss, stats, predicted = train_step(model, forward, loader, generator, args, device)
+            loss, accuracy, predicted = train_step(model, forward, loader, generator, args, device)
             grad_norm = clip_gradients(model, args.optim.clip)
             optimizer.step()
             scheduler.step()
@@ -193,13 +194,12 @@ def train(app: App, args) -> dict[str, Any]:
             step += 1
             state["data_tokens"] += throughput.per_step["data_tokens"]
             throughput.step(predicted)
+            window.add(loss=loss, accuracy=accuracy, grad_norm=grad_norm)
 
             if step % args.logging.freq == 0 or step == args.steps:
-                last = {"step": step, "loss": loss.item(), "accuracy": stats["accuracy"].item(),
-                        "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm.item(), **throughput.report(),
+                last = {"step": step, **window.means(), "lr": scheduler.get_last_lr()[0], **throughput.report(),
                         "data_tokens": state["data_tokens"],
-                        "compute_flops": state["data_tokens"] * model.views_per_sequence
-                        * throughput.flops_per_view,
+                        "compute_flops": state["data_tokens"] * model.views_per_sequence * throughput.flops_per_view,
                         "memory_gib": peak_memory_gib(device), "malformed_lines": loader.malformed_lines}
                 if not math.isfinite(last["loss"]):
                     raise RuntimeError(f"loss is {last['loss']} at step {step}")
@@ -224,8 +224,27 @@ def train(app: App, args) -> dict[str, Any]:
     return summary
 
 
+class Window:
+    """Means of per-step scalars since the last log line, summed on the device so steps do not wait for the host."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def add(self, **values: torch.Tensor) -> None:
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0) + value.detach().float()
+        self.count += 1
+
+    def means(self) -> dict[str, float]:
+        out = {key: (total / self.count).item() for key, total in self.sums.items()}
+        self.sums, self.count = {}, 0
+        return out
+
+
 def train_step(model, forward, loader, generator, args, device):
-    """One optimizer step's forward/backward over grad_acc_steps micro-batches; returns the mean loss."""
+    """One optimizer step's forward/backward over grad_acc_steps micro-batches: mean loss, mean accuracy, and the
+    number of predicted tokens."""
     total_loss, total_acc, predicted = 0.0, 0.0, 0
     for _ in range(args.grad_acc_steps):
         batch = model.make_batch(next(loader).to(device, non_blocking=True), generator)
@@ -235,7 +254,7 @@ def train_step(model, forward, loader, generator, args, device):
         total_loss = total_loss + loss.detach() / args.grad_acc_steps
         total_acc = total_acc + stats["accuracy"] / args.grad_acc_steps
         predicted += batch["targets"].numel()
-    return total_loss, {"accuracy": total_acc}, predicted
+    return total_loss, total_acc, predicted
 
 
 def clip_gradients(model, max_norm: float) -> torch.Tensor:
