@@ -40,7 +40,8 @@ from lingua.transformer import (
 
 @dataclass
 class PredictorArgs:
-    """Unset fields follow the encoder: a quarter of its depth (at least one layer), its width and heads."""
+    """Unset fields follow the encoder: a quarter of its depth (at least one layer), its width and heads, and its
+    head_dim when width and heads are the encoder's (else dim // n_heads)."""
 
     n_layers: int | None = None
     dim: int | None = None
@@ -62,13 +63,14 @@ class CrossBertArgs:
     def predictor_transformer(self) -> TransformerArgs:
         """The predictor's block shapes; norms, RoPE, init and attention backend are the encoder's."""
         enc, pred = self.encoder, self.predictor
-        same_width = pred.dim is None and pred.n_heads is None
+        dim, n_heads = pred.dim or enc.dim, pred.n_heads or enc.n_heads
+        same_heads = (dim, n_heads) == (enc.dim, enc.n_heads)
         return dataclasses.replace(
             enc,
             n_layers=pred.n_layers if pred.n_layers is not None else max(1, enc.n_layers // 4),
-            dim=pred.dim or enc.dim,
-            n_heads=pred.n_heads or enc.n_heads,
-            head_dim=pred.head_dim or (enc.head_dim if same_width else None),
+            dim=dim,
+            n_heads=n_heads,
+            head_dim=pred.head_dim or (enc.head_dim if same_heads else None),
         )
 
 
