@@ -121,22 +121,28 @@ def read_glue_tsv(path: str | Path, task: GlueTask) -> GlueSplit:
     no header; MNLI has extra columns (parses, several annotator labels). Lines whose field count differs from the
     header's (QQP has some) or whose label is not a known one are skipped and counted.
     """
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            return _read_rows(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), task, path)
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise UserError(f"{path} is not a GLUE TSV file ({e})") from None
+
+
+def _read_rows(rows, task: GlueTask, path: str | Path) -> GlueSplit:
+    header = list(task.columns) or next(rows, [])
+    missing = [c for c in (*task.text_columns, task.label_column) if c not in header]
+    if missing:
+        raise UserError(f"{path}: no column {missing[0]!r} in header {header} (is this {task.title}?)")
+    text_idx = [header.index(c) for c in task.text_columns]
+    label_idx = header.index(task.label_column)
     texts, labels, skipped = [], [], 0
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = list(task.columns) or next(rows, [])
-        missing = [c for c in (*task.text_columns, task.label_column) if c not in header]
-        if missing:
-            raise UserError(f"{path}: no column {missing[0]!r} in header {header} (is this {task.title}?)")
-        text_idx = [header.index(c) for c in task.text_columns]
-        label_idx = header.index(task.label_column)
-        for row in rows:
-            label = _parse_label(task, row[label_idx]) if len(row) == len(header) else None
-            if label is None:
-                skipped += 1
-                continue
-            texts.append(tuple(row[i] for i in text_idx))
-            labels.append(label)
+    for row in rows:
+        label = _parse_label(task, row[label_idx]) if len(row) == len(header) else None
+        if label is None:
+            skipped += 1
+            continue
+        texts.append(tuple(row[i] for i in text_idx))
+        labels.append(label)
     return GlueSplit(texts, _label_tensor(task, labels), skipped)
 
 

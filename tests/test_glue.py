@@ -91,6 +91,10 @@ def test_wrong_file_and_missing_split(tmp_path):
         glue.load_split(glue.TASKS["rte"], "train", str(tmp_path))
     with pytest.raises(glue.MissingSplit, match="no train split"):
         glue.load_split(glue.TASKS["qnli"], "train", str(tmp_path))
+    (tmp_path / "SST-2").mkdir()
+    (tmp_path / "SST-2" / "train.tsv").write_bytes(b"sentence\tlabel\n\xff\xfe\x00\t1\n")
+    with pytest.raises(UserError, match="is not a GLUE TSV file"):
+        glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path))
 
 
 def _fake_datasets(calls):
