@@ -279,10 +279,12 @@ def extract_features(model, tokenizer, texts: list[tuple[str, ...]], layers: lis
 
 
 def _pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    tokens = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
+    lengths = torch.tensor([len(seq) for seq in seqs])
+    tokens = torch.full((len(seqs), int(lengths.max())), pad_id, dtype=torch.long)
     for row, seq in enumerate(seqs):
         tokens[row, :len(seq)] = torch.tensor(seq)
-    return tokens.to(device), (tokens != pad_id).to(device)
+    pad_mask = torch.arange(tokens.shape[1]) < lengths[:, None]
+    return tokens.to(device), pad_mask.to(device)
 
 
 def _layer_outputs(model, tokens: Tensor, pad_mask: Tensor, layers: list[str]) -> dict[str, Tensor]:
