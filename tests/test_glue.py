@@ -250,8 +250,11 @@ def test_command_on_a_crossbert_checkpoint_folder(tmp_path, capsys):
 
 
 def test_command_errors_are_one_line(tmp_path, capsys):
+    tiny_run(tmp_path / "run")
     for argv, message in [([f"ckpt={tmp_path / 'none'}", f"data={FIXTURES}"], "checkpoint not found"),
-                          ([f"data={FIXTURES}"], "ckpt= is required")]:
+                          ([f"data={FIXTURES}"], "ckpt= is required"),
+                          ([f"ckpt={tmp_path / 'run'}", f"data={FIXTURES}", "device=tpu"], "error: device: "),
+                          ([f"ckpt={tmp_path / 'none'}", f"data={FIXTURES}", "knn_k=0,1"], "must be >= 1")]:
         with pytest.raises(SystemExit) as exit_info:
             glue_command.main(argv)
         assert exit_info.value.code == 2

@@ -5,7 +5,8 @@
 
 Prints the scores (one row per task, then the paper's table layout with the average) and writes results.json,
 by default to DUMP_DIR/glue_eval/<checkpoint name>/. Features are cached in DUMP_DIR/glue_eval/cache, keyed by the
-checkpoint's files, so probing again (other probes, another train cap) skips the forward passes.
+checkpoint's files, so probing again (other probes, λ grid or k) skips the forward passes; another train cap or seed
+re-encodes only the train split.
 """
 
 import json
@@ -13,9 +14,11 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import torch
+
 from lingua.args import UserError, load_config
 from lingua.checkpoint import load_model, resolve_checkpoint
-from lingua.glue import DEFAULT_MAX_LEN, FeatureCache, GlueEvalArgs, evaluate_glue, format_table
+from lingua.glue import DEFAULT_MAX_LEN, FeatureCache, GlueEvalArgs, check_args, evaluate_glue, format_table
 from lingua.metrics import setup_logging
 from lingua.train import resolve_device
 
@@ -50,11 +53,14 @@ def results_path(out: str, dump_dir: Path, checkpoint: Path) -> Path:
 def run(args: GlueCommandArgs) -> dict:
     if not args.ckpt:
         raise UserError("ckpt= is required: a consolidated.pt, a checkpoint folder or a run's dump_dir")
+    check_args(args)  # before the (slow) model loading
     checkpoint = resolve_checkpoint(args.ckpt)
     try:
         device = resolve_device(args.device)
     except RuntimeError as e:
         raise UserError(f"device: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but no GPU is available (device=auto picks one when there is)")
     model, config, tokenizer = load_model(checkpoint, device)
     if not args.max_len:  # the length the model was trained on
         args = replace(args, max_len=getattr(getattr(config, "data", None), "seq_len", DEFAULT_MAX_LEN))
