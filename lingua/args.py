@@ -110,7 +110,12 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, key + ".")
     if origin is list:
-        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(value, str):
+            items = value.split(",")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            items = [value]  # `knn_k=5` on the command line is a one-element list
+        else:
+            items = value
         if not isinstance(items, list):
             raise _type_error(key, "a list", value)
         return [_convert(params[0], item, f"{key}[{i}]") for i, item in enumerate(items)]

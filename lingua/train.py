@@ -22,6 +22,7 @@ import torch
 from lingua.args import UserError, dump_config, load_config, to_dict
 from lingua.checkpoint import CheckpointArgs, CheckpointManager, export_consolidated, rank_and_world
 from lingua.data import DataArgs, build_train_loader, load_validation
+from lingua.glue import GlueEvalArgs, check_args, run_glue_probes
 from lingua.metrics import LoggingArgs, MetricLogger, format_progress, peak_memory_gib, setup_logging
 from lingua.optim import OptimArgs, build_optimizer
 from lingua.tokenizer import build_tokenizer
@@ -51,6 +52,7 @@ class TrainArgs:
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     validation: ValidationArgs = field(default_factory=ValidationArgs)
+    eval: GlueEvalArgs = field(default_factory=GlueEvalArgs)  # frozen GLUE probes every eval.every steps (0: off)
 
 
 @dataclass
@@ -170,6 +172,10 @@ def train(app: App, args) -> dict[str, Any]:
         scheduler.load_state_dict(state["scheduler"])
         generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
 
+    if args.eval.every > 0:
+        check_args(args.eval)  # a bad GLUE path fails now, not at the first evaluation
+        if args.eval.max_len == 0:
+            args.eval.max_len = args.data.seq_len
     val_tokens = None
     if args.validation.every > 0:
         val_tokens = load_validation(args.data, tokenizer, args.validation.n_sequences, rank, world_size)
@@ -210,6 +216,10 @@ def train(app: App, args) -> dict[str, Any]:
                 record = {"step": step, **validate(model, val_tokens, args.validation, device)}
                 metrics.log(record)
                 logger.info(f"step {step} | val loss {record['val/loss']:.4f} | val acc {record['val/accuracy']:.3f}")
+            if args.eval.every > 0 and step % args.eval.every == 0 and rank == 0:
+                scores = run_glue_probes(model, tokenizer, args.eval, device)
+                metrics.log({"step": step, **scores})
+                logger.info(f"step {step} | " + " | ".join(f"{k} {v:.1f}" for k, v in scores.items()))
             if step % args.checkpoint.every == 0 or step == args.steps or stop.requested:
                 state.update(step=step, data=loader.state_dict(), scheduler=scheduler.state_dict(),
                              generator=generator.get_state().tolist())

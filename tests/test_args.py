@@ -19,6 +19,7 @@ class Outer:
     inner: Inner = field(default_factory=Inner)
     sources: dict[str, float] = field(default_factory=dict)
     tasks: list[str] = field(default_factory=list)
+    ks: list[int] = field(default_factory=list)
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -29,6 +30,11 @@ def test_yaml_then_overrides(tmp_path):
     assert cfg.sources == {"wiki": 1.0, "news": 0.5}
     assert cfg.tasks == ["sst2", "cola"]
     assert isinstance(cfg.sources["wiki"], float)
+
+
+def test_single_value_for_a_list():
+    assert load_config(Outer, ["steps=1", "ks=5", "tasks=sst2"]).ks == [5]
+    assert load_config(Outer, ["steps=1", "ks=5,10"]).ks == [5, 10]
 
 
 def test_values_take_the_field_type():

@@ -130,3 +130,14 @@ def test_gradient_accumulation_matches_a_full_batch(corpus, tmp_path):
     assert full["data_tokens"] == accumulated["data_tokens"]
     for step in (1, 2, 3):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5)
+
+
+def test_glue_probes_during_training(corpus, tmp_path):
+    glue = Path(__file__).parent / "fixtures" / "glue"
+    dump = tmp_path / "run"
+    run(tiny_argv(corpus, dump, steps=4) + [f"eval.data={glue}", "eval.tasks=sst2,stsb", "eval.every=2",
+                                            "eval.probes=linear"])
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    probes = [r for r in records if "glue/sst2/linear" in r]
+    assert [r["step"] for r in probes] == [2, 4]
+    assert all(0 <= r["glue/sst2/linear"] <= 100 and "glue/stsb/linear" in r for r in probes)
