@@ -183,8 +183,8 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class SelfAttentionBlock(nn.Module):
-    """Pre-norm block: bidirectional self-attention then SwiGLU."""
+class PreNormBlock(nn.Module):
+    """RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual. Subclasses choose what is attended."""
 
     def __init__(self, args: TransformerArgs):
         super().__init__()
@@ -194,28 +194,24 @@ class SelfAttentionBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args.dim, args.ffn_multiple_of))
 
+
+class SelfAttentionBlock(PreNormBlock):
+    """Bidirectional self-attention then SwiGLU."""
+
     def forward(self, h, rope, bias) -> torch.Tensor:
         x = self.attention_norm(h)
         h = h + self.attention(x, x, rope, rope, bias, self.backend)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class CrossAttentionBlock(nn.Module):
-    """Pre-norm block: cross-attention from the queries to a context (no self-attention), then SwiGLU.
+class CrossAttentionBlock(PreNormBlock):
+    """Cross-attention from the queries to a context (no self-attention), then SwiGLU.
 
     The queries never see each other, so each query's output depends only on itself and the context.
     """
 
-    def __init__(self, args: TransformerArgs):
-        super().__init__()
-        self.backend = args.attn_backend
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.cross_attention = Attention(args.dim, args.n_heads, head_dim_of(args))
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args.dim, args.ffn_multiple_of))
-
     def forward(self, h, context, q_rope, kv_rope, bias) -> torch.Tensor:
-        h = h + self.cross_attention(self.attention_norm(h), context, q_rope, kv_rope, bias, self.backend)
+        h = h + self.attention(self.attention_norm(h), context, q_rope, kv_rope, bias, self.backend)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
