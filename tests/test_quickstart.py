@@ -1,0 +1,43 @@
+"""The shipped debug configs on the real pieces: GPT-2 tokenizer file, offline sample corpus, real GLUE files.
+
+setup/install.sh provides the first two (CI runs it first); each test skips with a reason when a piece is absent.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from apps.bert.train import APP as BERT
+from apps.crossbert.train import APP as CROSSBERT
+from lingua.args import load_config
+from lingua.tokenizer import default_tokenizer_dir
+from lingua.train import train
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "data" / "sample"
+REAL_GLUE = REPO.parent / "shared" / "data" / "glue"
+
+needs_real_pieces = pytest.mark.skipif(
+    not SAMPLE.is_dir() or not (default_tokenizer_dir() / "r50k_base.tiktoken").exists(),
+    reason="run setup/install.sh first (sample corpus and tokenizer file)",
+)
+
+
+@needs_real_pieces
+@pytest.mark.parametrize("name, app", [("bert", BERT), ("crossbert", CROSSBERT)])
+def test_debug_config_trains_on_the_sample(name, app, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # the configs name data/ relative to the repository root
+    dump = tmp_path / "run"
+    argv = [f"config={REPO / 'apps' / name / 'configs' / 'debug.yaml'}",
+            f"dump_dir={dump}", "steps=12", "logging.freq=4", "validation.every=12", "validation.n_sequences=8",
+            "optim.warmup=4"]
+    if REAL_GLUE.is_dir():
+        argv += [f"eval.data={REAL_GLUE}", "eval.every=12", "eval.tasks=rte", "eval.max_train=200"]
+    summary = train(app, load_config(app.args_cls, argv))
+    assert summary["final_loss"] < summary["first_loss"]
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 12 and any("val/loss" in r for r in records)
+    assert all(r.get("malformed_lines", 0) == 0 for r in records)
+    if REAL_GLUE.is_dir():
+        assert any("glue/rte/linear" in r for r in records)
