@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny JSONL corpus in the training layout and tiny training configs."""
 
+import importlib.util
 import json
 import random
 from pathlib import Path
@@ -58,3 +59,18 @@ def tiny_argv(data_root: Path, dump_dir: Path, steps: int) -> list[str]:
         "validation.n_sequences=8",
         "checkpoint.every=10",
     ]
+
+
+def read_metrics(dump_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl's training records (those with a loss) by step."""
+    records = [json.loads(line) for line in (dump_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "loss" in r}
+
+
+def load_setup_script(name: str):
+    """Imports setup/NAME.py (a script folder, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "setup" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"setup_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -8,7 +8,12 @@ import torch
 from apps.bert.model import BertArgs, build_bert
 from apps.bert.train import APP
 from lingua.args import load_config
-from lingua.flops import compute_budget, count_params, encoder_flops_per_token, non_embedding_params
+from lingua.flops import (
+    compute_budget,
+    count_params,
+    encoder_flops_per_token,
+    non_embedding_params,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "apps" / "bert" / "configs"
 PAPER_VOCAB = 50265  # RoBERTa's vocabulary, which the paper's parameter counts use

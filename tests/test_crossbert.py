@@ -1,20 +1,24 @@
 """CrossBERT: the split, no leakage between views or from masked tokens, the cross-attention-only predictor, CMS,
 compilation, parameter and FLOPs accounting against the paper, and end-to-end training."""
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import read_metrics, tiny_argv
 
 from apps.crossbert.model import CrossBert, CrossBertArgs, PredictorArgs
 from apps.crossbert.train import APP
-from conftest import tiny_argv
 from lingua.args import UserError, load_config
 from lingua.checkpoint import load_model
-from lingua.flops import count_params, encoder_flops_per_token, non_embedding_params, predictor_flops_per_token
+from lingua.flops import (
+    count_params,
+    encoder_flops_per_token,
+    non_embedding_params,
+    predictor_flops_per_token,
+)
 from lingua.train import train
 from lingua.transformer import TransformerArgs
 
@@ -327,11 +331,6 @@ def test_appendix_j_configs(model_id):
 
 
 # ---------------------------------------------------------------- end-to-end
-
-
-def read_metrics(dump_dir: Path) -> dict[int, dict]:
-    records = [json.loads(line) for line in (dump_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in records if "loss" in r}
 
 
 def run(argv):

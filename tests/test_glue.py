@@ -16,7 +16,12 @@ from apps.crossbert.train import CrossBertTrainArgs
 from apps.eval import glue as glue_command
 from lingua import glue
 from lingua.args import UserError, to_dict
-from lingua.checkpoint import CheckpointArgs, CheckpointManager, build_from_params, export_consolidated
+from lingua.checkpoint import (
+    CheckpointArgs,
+    CheckpointManager,
+    build_from_params,
+    export_consolidated,
+)
 from lingua.data import DataArgs
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.transformer import TransformerArgs

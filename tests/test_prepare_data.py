@@ -1,5 +1,4 @@
 import gzip
-import importlib.util
 import io
 import itertools
 import json
@@ -10,19 +9,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import load_setup_script
 
 from lingua.args import UserError
 
-
-def load_script(name: str):
-    path = Path(__file__).resolve().parents[1] / "setup" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"setup_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-prep = load_script("prepare_data")
+prep = load_setup_script("prepare_data")
 
 
 def read_layout(folder: Path) -> tuple[list[list[str]], list[str]]:

@@ -1,4 +1,3 @@
-import importlib.util
 import io
 import shutil
 import tarfile
@@ -8,19 +7,17 @@ from pathlib import Path
 import pytest
 import requests
 import tiktoken
+from conftest import load_setup_script
 
 from lingua.args import UserError
-from lingua.tokenizer import R50K_FILENAME, TokenizerArgs, build_tokenizer, default_tokenizer_dir
+from lingua.tokenizer import (
+    R50K_FILENAME,
+    TokenizerArgs,
+    build_tokenizer,
+    default_tokenizer_dir,
+)
 
 TEXT = "Hello world! Ünïcödé, emoji 🙂 and tabs\tand\nnewlines."
-
-
-def load_script(name: str):
-    path = Path(__file__).resolve().parents[1] / "setup" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"setup_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -106,7 +103,7 @@ def make_sdist(path: Path) -> Path:
 
 
 def test_fetch_reads_sdist_and_wheel(tmp_path):
-    fetch = load_script("fetch_tokenizer")
+    fetch = load_setup_script("fetch_tokenizer")
     assert fetch.read_member(make_sdist(tmp_path / "w.tar.gz")) == MEMBER
     with zipfile.ZipFile(tmp_path / "w.whl", "w") as zf:
         zf.writestr("whisper/assets/gpt2.tiktoken", MEMBER)
@@ -114,7 +111,7 @@ def test_fetch_reads_sdist_and_wheel(tmp_path):
 
 
 def test_fetch_rejects_wrong_hash(tmp_path, monkeypatch):
-    fetch = load_script("fetch_tokenizer")
+    fetch = load_setup_script("fetch_tokenizer")
     monkeypatch.setattr(fetch, "download_whisper", lambda tmp: make_sdist(tmp / "w.tar.gz"))
     with pytest.raises(UserError, match="does not match"):
         fetch.fetch(tmp_path / "out")
@@ -122,7 +119,7 @@ def test_fetch_rejects_wrong_hash(tmp_path, monkeypatch):
 
 
 def test_fetch_skips_verified_file(r50k_file, tmp_path, monkeypatch):
-    fetch = load_script("fetch_tokenizer")
+    fetch = load_setup_script("fetch_tokenizer")
     shutil.copy(r50k_file, tmp_path / R50K_FILENAME)
     monkeypatch.setattr(fetch, "download_whisper", lambda tmp: pytest.fail("downloaded again"))
     assert fetch.fetch(tmp_path) == tmp_path / R50K_FILENAME

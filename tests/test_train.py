@@ -11,19 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import read_metrics, tiny_argv
 
 from apps.bert.train import APP
-from conftest import tiny_argv
 from lingua.args import load_config
 from lingua.checkpoint import load_model
 from lingua.train import train
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def read_metrics(dump_dir: Path) -> dict[int, dict]:
-    records = [json.loads(line) for line in (dump_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in records if "loss" in r}
 
 
 def run(argv):

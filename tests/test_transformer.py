@@ -10,8 +10,8 @@ from lingua.transformer import (
     Encoder,
     TransformerArgs,
     apply_rope,
-    build_attn_bias,
     attention,
+    build_attn_bias,
     ffn_hidden_dim,
     init_weights,
 )
