@@ -10,8 +10,10 @@ from torch import nn
 from lingua.transformer import TransformerArgs, ffn_hidden_dim, head_dim_of
 
 
-def count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def count_params(model: nn.Module, embeddings: bool = True) -> int:
+    """All parameters, or (embeddings=False) those outside nn.Embedding tables."""
+    skip = set() if embeddings else {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
 
 
 def block_params(args: TransformerArgs) -> int:

@@ -20,10 +20,22 @@ from typing import Any
 import torch
 
 from lingua.args import UserError, dump_config, load_config, to_dict
-from lingua.checkpoint import CheckpointArgs, CheckpointManager, export_consolidated, rank_and_world
+from lingua.checkpoint import (
+    CheckpointArgs,
+    CheckpointManager,
+    export_consolidated,
+    rank_and_world,
+)
 from lingua.data import DataArgs, build_train_loader, load_validation
+from lingua.flops import count_params
 from lingua.glue import GlueEvalArgs, check_args, run_glue_probes
-from lingua.metrics import LoggingArgs, MetricLogger, format_progress, peak_memory_gib, setup_logging
+from lingua.metrics import (
+    LoggingArgs,
+    MetricLogger,
+    format_progress,
+    peak_memory_gib,
+    setup_logging,
+)
 from lingua.optim import OptimArgs, build_optimizer
 from lingua.tokenizer import build_tokenizer
 
@@ -183,11 +195,13 @@ def train(app: App, args) -> dict[str, Any]:
     metrics = MetricLogger(dump_dir / "metrics.jsonl", state["step"], args.logging, params["config"])
     throughput = Throughput(model, args, world_size)
     logger.info(
-        f"{app.name}: {sum(p.numel() for p in model.parameters()):,} parameters on {device}, "
-        f"{args.steps} steps of {throughput.per_step['data_tokens']:,} tokens"
+        f"{app.name}: {count_params(model):,} parameters ({count_params(model, embeddings=False):,} outside the "
+        f"embedding) on {device}, {args.steps} steps of {throughput.per_step['data_tokens']:,} data tokens"
     )
 
     step, first_loss, last = state["step"], None, {}
+    if step >= args.steps:
+        logger.info(f"{dump_dir} already holds a finished run of {step} steps: nothing to train")
     window = Window()
     start = time.perf_counter()
     with build_train_loader(args.data, tokenizer, rank, world_size, state["data"]) as loader, StopSignal() as stop:
