@@ -87,7 +87,8 @@ class CheckpointManager:
         final = self.folder / f"{step:010d}"
         tmp = final.with_name(final.name + ".tmp")
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a process killed while saving
+            for leftover in self.folder.glob("*.tmp"):  # left by a process killed while saving
+                shutil.rmtree(leftover)
             tmp.mkdir(parents=True)
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -122,7 +123,9 @@ class CheckpointManager:
     def _prune(self) -> None:
         if self.args.keep > 0:
             for old in self.complete_checkpoints()[: -self.args.keep]:
-                shutil.rmtree(old)
+                doomed = old.with_name(old.name + ".deleting")  # no longer looks complete, even if killed mid-delete
+                os.replace(old, doomed)
+                shutil.rmtree(doomed)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -159,17 +162,18 @@ def build_from_params(params: dict, device: str | torch.device = "cpu"):
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A consolidated file, a checkpoint folder, or a run's dump_dir (its consolidated.pt, else newest checkpoint)."""
+    """A consolidated file, a checkpoint folder, or a run's dump_dir (its newest complete checkpoint, else its
+    consolidated.pt: a run extended after its export has newer weights in its checkpoints)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"checkpoint not found: {path}")
-    if path.is_dir() and (path / CONSOLIDATED).exists():
-        return path / CONSOLIDATED
     if path.is_dir() and not (path / "params.json").exists():
         latest = CheckpointManager(path / "checkpoints", CheckpointArgs()).latest()
-        if latest is None:
-            raise UserError(f"no consolidated.pt, params.json or complete checkpoint found in {path}")
-        return latest
+        if latest is not None:
+            return latest
+        if not (path / CONSOLIDATED).exists():
+            raise UserError(f"no complete checkpoint, consolidated.pt or params.json found in {path}")
+        return path / CONSOLIDATED
     return path
 
 

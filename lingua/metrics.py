@@ -49,7 +49,8 @@ class MetricLogger:
     def __init__(self, path: Path, resume_step: int, args: LoggingArgs, config: dict[str, Any]):
         self.path = path
         if path.exists():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            kept = [line for line in path.read_text().splitlines() if _step_of(line, default=resume_step + 1)
+                    <= resume_step]  # a line torn by a kill is dropped with the rest past the checkpoint
             path.write_text("".join(line + "\n" for line in kept))
         self.file = path.open("a")
         self.wandb = None
@@ -68,6 +69,13 @@ class MetricLogger:
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _step_of(line: str, default: int) -> int:
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return default
 
 
 def format_progress(record: dict[str, Any], total_steps: int) -> str:

@@ -146,6 +146,10 @@ class Throughput:
         self.peak = args.logging.peak_tflops * 1e12 * world_size
         self.start, self.steps, self.predicted = time.perf_counter(), 0, 0
 
+    def exclude(self, seconds: float) -> None:
+        """Time spent outside training steps (validation, probes, checkpoints) does not count."""
+        self.start += seconds
+
     def step(self, predicted_tokens: int) -> None:
         self.steps += 1
         self.predicted += predicted_tokens
@@ -164,6 +168,9 @@ class Throughput:
 
 
 def train(app: App, args) -> dict[str, Any]:
+    if args.data.seq_len > args.model.encoder.max_seqlen:
+        raise UserError(f"data.seq_len ({args.data.seq_len}) exceeds model.encoder.max_seqlen "
+                        f"({args.model.encoder.max_seqlen}), the length of the position table")
     dump_dir = Path(args.dump_dir)
     dump_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(dump_dir / "train.log")
@@ -186,8 +193,7 @@ def train(app: App, args) -> dict[str, Any]:
 
     if args.eval.every > 0:
         check_args(args.eval)  # a bad GLUE path fails now, not at the first evaluation
-        if args.eval.max_len == 0:
-            args.eval.max_len = args.data.seq_len
+        args.eval.max_len = min(args.eval.max_len or args.data.seq_len, args.model.encoder.max_seqlen)
     val_tokens = None
     if args.validation.every > 0:
         val_tokens = load_validation(args.data, tokenizer, args.validation.n_sequences, rank, world_size)
@@ -208,6 +214,7 @@ def train(app: App, args) -> dict[str, Any]:
         while step < args.steps and not stop.requested:
             loss, accuracy, predicted = train_step(model, forward, loader, generator, args, device)
             grad_norm = clip_gradients(model, args.optim.clip)
+            lr = scheduler.get_last_lr()[0]  # the rate this step uses
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -217,7 +224,7 @@ def train(app: App, args) -> dict[str, Any]:
             window.add(loss=loss, accuracy=accuracy, grad_norm=grad_norm)
 
             if step % args.logging.freq == 0 or step == args.steps:
-                last = {"step": step, **window.means(), "lr": scheduler.get_last_lr()[0], **throughput.report(),
+                last = {"step": step, **window.means(), "lr": lr, **throughput.report(),
                         "data_tokens": state["data_tokens"],
                         "compute_flops": state["data_tokens"] * model.views_per_sequence * throughput.flops_per_view,
                         "memory_gib": peak_memory_gib(device), "malformed_lines": loader.malformed_lines}
@@ -226,18 +233,14 @@ def train(app: App, args) -> dict[str, Any]:
                 first_loss = last["loss"] if first_loss is None else first_loss
                 metrics.log(last)
                 logger.info(format_progress(last, args.steps))
-            if val_tokens is not None and (step % args.validation.every == 0 or step == args.steps):
-                record = {"step": step, **validate(model, val_tokens, args.validation, device)}
-                metrics.log(record)
-                logger.info(f"step {step} | val loss {record['val/loss']:.4f} | val acc {record['val/accuracy']:.3f}")
-            if args.eval.every > 0 and step % args.eval.every == 0 and rank == 0:
-                scores = run_glue_probes(model, tokenizer, args.eval, device)
-                metrics.log({"step": step, **scores})
-                logger.info(f"step {step} | " + " | ".join(f"{k} {v:.1f}" for k, v in scores.items()))
+            pause = time.perf_counter()
+            if not stop.requested:  # on a stop signal, save at once: the job may have little time left
+                evaluate(step, model, tokenizer, val_tokens, args, device, metrics, rank)
             if step % args.checkpoint.every == 0 or step == args.steps or stop.requested:
                 state.update(step=step, data=loader.state_dict(), scheduler=scheduler.state_dict(),
                              generator=generator.get_state().tolist())
                 checkpoints.save(step, model, optimizer, state, params)
+            throughput.exclude(time.perf_counter() - pause)
     metrics.close()
 
     if step == args.steps:
@@ -246,6 +249,18 @@ def train(app: App, args) -> dict[str, Any]:
                "data_tokens": state["data_tokens"], "seconds": round(time.perf_counter() - start, 1)}
     logger.info("summary: " + " | ".join(f"{k} {v}" for k, v in summary.items()))
     return summary
+
+
+def evaluate(step, model, tokenizer, val_tokens, args, device, metrics, rank) -> None:
+    """Validation loss and, when configured, the frozen GLUE probes, at their intervals."""
+    if val_tokens is not None and (step % args.validation.every == 0 or step == args.steps):
+        record = {"step": step, **validate(model, val_tokens, args.validation, device)}
+        metrics.log(record)
+        logger.info(f"step {step} | val loss {record['val/loss']:.4f} | val acc {record['val/accuracy']:.3f}")
+    if args.eval.every > 0 and step % args.eval.every == 0 and rank == 0:
+        scores = run_glue_probes(model, tokenizer, args.eval, device)
+        metrics.log({"step": step, **scores})
+        logger.info(f"step {step} | " + " | ".join(f"{k} {v:.1f}" for k, v in scores.items()))
 
 
 class Window:

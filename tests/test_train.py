@@ -108,6 +108,7 @@ def test_exported_model_encodes(corpus, tmp_path):
     [
         (["model.encoder.dimm=3"], "unknown config key 'model.encoder.dimm'"),
         (["data.root_dir=/nonexistent/data"], "/nonexistent/data"),
+        (["data.seq_len=64"], "exceeds model.encoder.max_seqlen"),
     ],
 )
 def test_user_errors_are_one_line(corpus, tmp_path, extra, message):
@@ -136,3 +137,22 @@ def test_glue_probes_during_training(corpus, tmp_path):
     probes = [r for r in records if "glue/sst2/linear" in r]
     assert [r["step"] for r in probes] == [2, 4]
     assert all(0 <= r["glue/sst2/linear"] <= 100 and "glue/stsb/linear" in r for r in probes)
+
+
+def test_logged_lr_is_the_rate_the_step_used(corpus, tmp_path):
+    from lingua.optim import lr_at
+
+    args = load_config(APP.args_cls, tiny_argv(corpus, tmp_path / "run", steps=8))
+    run(tiny_argv(corpus, tmp_path / "run", steps=8))
+    logged = read_metrics(tmp_path / "run")
+    assert [logged[s]["lr"] for s in range(1, 9)] == pytest.approx([lr_at(s, args.optim, 8) for s in range(8)])
+
+
+def test_resume_survives_a_torn_metrics_line(corpus, tmp_path):
+    dump = tmp_path / "run"
+    run(tiny_argv(corpus, dump, steps=20))
+    shutil.rmtree(dump / "checkpoints" / "0000000020")
+    with (dump / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 21, "loss": 1.')  # a kill in the middle of a write
+    run(tiny_argv(corpus, dump, steps=20))
+    assert sorted(read_metrics(dump)) == list(range(1, 21))

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lingua.args import UserError
 from lingua.flops import encoder_flops_per_token
 from lingua.transformer import Encoder, TransformerArgs, default_positions, init_weights, padding_mask
 
@@ -19,6 +20,10 @@ from lingua.transformer import Encoder, TransformerArgs, default_positions, init
 class BertArgs:
     encoder: TransformerArgs = field(default_factory=TransformerArgs)
     mask_ratio: float = 0.2  # the paper's BERT
+
+    def __post_init__(self):
+        if not 0 < self.mask_ratio < 1:
+            raise UserError(f"mask_ratio must be strictly between 0 and 1, got {self.mask_ratio}")
 
 
 def num_masked(mask_ratio: float, seq_len: int) -> int:

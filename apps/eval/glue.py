@@ -18,14 +18,14 @@ import torch
 
 from lingua.args import UserError, load_config
 from lingua.checkpoint import load_model, resolve_checkpoint
-from lingua.glue import DEFAULT_MAX_LEN, FeatureCache, GlueEvalArgs, check_args, evaluate_glue, format_table
+from lingua.glue import FeatureCache, GlueEvalArgs, check_args, evaluate_glue, format_table
 from lingua.metrics import setup_logging
 from lingua.train import resolve_device
 
 
 @dataclass
 class GlueCommandArgs(GlueEvalArgs):
-    ckpt: str = ""  # consolidated.pt, a checkpoint folder, or a run's dump_dir (its consolidated.pt, else newest)
+    ckpt: str = ""  # consolidated.pt, a checkpoint folder, or a run's dump_dir (its newest checkpoint, else export)
     out: str = ""  # results file (.json) or folder; default DUMP_DIR/glue_eval/<checkpoint name>/results.json
     cache_dir: str = ""  # feature cache; default DUMP_DIR/glue_eval/cache
     device: str = "auto"  # auto: cuda if available, else cpu
@@ -62,8 +62,9 @@ def run(args: GlueCommandArgs) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but no GPU is available (device=auto picks one when there is)")
     model, config, tokenizer = load_model(checkpoint, device)
-    if not args.max_len:  # the length the model was trained on
-        args = replace(args, max_len=getattr(getattr(config, "data", None), "seq_len", DEFAULT_MAX_LEN))
+    # default: the length the model was trained on; never past its position table
+    max_len = min(args.max_len or config.data.seq_len, config.model.encoder.max_seqlen)
+    args = replace(args, max_len=max_len)
     dump_dir = run_dump_dir(checkpoint)
     cache = FeatureCache(args.cache_dir or dump_dir / "glue_eval" / "cache", checkpoint_identity(checkpoint))
     results = {"checkpoint": str(checkpoint), "args": asdict(args),
