@@ -23,7 +23,6 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,9 +93,9 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         with _dcp_quietly():
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        _write_json(tmp / f"train_state_{rank:05d}.json", train_state)
+        (tmp / f"train_state_{rank:05d}.json").write_text(json.dumps(train_state))  # the folder's rename is atomic
         if rank == 0:
-            _write_json(tmp / "params.json", params)
+            (tmp / "params.json").write_text(json.dumps(params))
         _barrier()
         if rank == 0:
             shutil.rmtree(final, ignore_errors=True)
@@ -126,12 +125,6 @@ class CheckpointManager:
                 doomed = old.with_name(old.name + ".deleting")  # no longer looks complete, even if killed mid-delete
                 os.replace(old, doomed)
                 shutil.rmtree(doomed)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
 
 
 def export_consolidated(model: nn.Module, params: dict, path: str | Path) -> Path:

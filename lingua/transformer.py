@@ -254,6 +254,10 @@ class Encoder(nn.Module):
         outputs[-1] = self.norm(h)
         return outputs if all_layers else outputs[-1]
 
+    def encode(self, tokens, pad_mask: torch.Tensor | None = None, all_layers: bool = False):
+        """The full sequence at positions 0..S-1, padding (pad_mask False) hidden from the real tokens."""
+        return self(tokens, default_positions(tokens), padding_mask(pad_mask), all_layers)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.tok_embeddings.weight)
 

@@ -18,16 +18,16 @@ from lingua.flops import (
 CONFIGS = Path(__file__).resolve().parents[1] / "apps" / "bert" / "configs"
 PAPER_VOCAB = 50265  # RoBERTa's vocabulary, which the paper's parameter counts use
 
-# Appendix J: id -> (params in millions, FLOPs, tokens in billions, GPUs)
+# Appendix J: id -> (params in millions, FLOPs, tokens in billions, GPUs, heads, head dim, steps, lr)
 APPENDIX_J = {
-    0: (76.73, 2.17e18, 6.58, 4),
-    1: (103.28, 4.64e18, 9.63, 1),
-    2: (151.85, 1.14e19, 15.10, 1),
-    3: (226.70, 2.83e19, 23.78, 1),
-    4: (334.06, 6.73e19, 36.68, 3),
-    5: (503.81, 1.65e20, 57.47, 6),
-    6: (795.27, 4.24e20, 92.13, 16),
-    7: (1208.24, 1.00e21, 141.70, 40),
+    0: (76.73, 2.17e18, 6.58, 4, 9, 64, 15019, 2.75e-03),
+    1: (103.28, 4.64e18, 9.63, 1, 10, 64, 18268, 2.29e-03),
+    2: (151.85, 1.14e19, 15.10, 1, 12, 64, 24783, 1.85e-03),
+    3: (226.70, 2.83e19, 23.78, 1, 14, 64, 29287, 1.48e-03),
+    4: (334.06, 6.73e19, 36.68, 3, 16, 64, 36291, 1.21e-03),
+    5: (503.81, 1.65e20, 57.47, 6, 9, 128, 46771, 9.72e-04),
+    6: (795.27, 4.24e20, 92.13, 16, 11, 128, 58575, 7.75e-04),
+    7: (1208.24, 1.00e21, 141.70, 40, 13, 128, 72072, 6.30e-04),
 }
 
 
@@ -37,9 +37,11 @@ def load(name):
 
 @pytest.mark.parametrize("model_id", sorted(APPENDIX_J))
 def test_scaling_configs_match_appendix_j(model_id):
-    params_m, flops, tokens_b, gpus = APPENDIX_J[model_id]
+    params_m, flops, tokens_b, gpus, heads, head_dim, steps, lr = APPENDIX_J[model_id]
     cfg = load(f"scaling_{model_id}.yaml")
     enc = cfg.model.encoder
+    assert (enc.n_heads, enc.head_dim, cfg.steps, cfg.optim.lr) == (heads, head_dim, steps, lr)
+    assert (cfg.optim.lr_min, cfg.optim.beta1, cfg.optim.beta2, cfg.model.mask_ratio) == (1e-6, 0.9, 0.95, 0.2)
     assert (non_embedding_params(enc) + PAPER_VOCAB * enc.dim) / 1e6 == pytest.approx(params_m, abs=0.01)
     tokens = cfg.steps * cfg.data.batch_size * cfg.grad_acc_steps * gpus * cfg.data.seq_len
     assert tokens / 1e9 == pytest.approx(tokens_b, abs=0.01)

@@ -13,7 +13,7 @@ from torch import nn
 
 from lingua.args import UserError
 from lingua.flops import encoder_flops_per_token
-from lingua.transformer import Encoder, TransformerArgs, default_positions, init_weights, padding_mask
+from lingua.transformer import Encoder, TransformerArgs, default_positions, init_weights
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Bert(nn.Module):
         return masked_lm_loss(logits, targets)
 
     def encode(self, tokens, pad_mask=None, all_layers: bool = False):
-        return self.encoder(tokens, default_positions(tokens), padding_mask(pad_mask), all_layers)
+        return self.encoder.encode(tokens, pad_mask, all_layers)
 
     def flops_per_token_view(self, seq_len: int) -> float:
         return encoder_flops_per_token(self.args.encoder, seq_len)

@@ -30,10 +30,8 @@ from lingua.transformer import (
     RotaryEmbedding,
     TransformerArgs,
     build_attn_bias,
-    default_positions,
     head_dim_of,
     init_weights,
-    padding_mask,
     trunc_normal_,
 )
 
@@ -148,7 +146,7 @@ class CrossBert(nn.Module):
 
     def encode(self, tokens, pad_mask=None, all_layers: bool = False):
         """The encoder on the full, unmasked sequence (evaluation)."""
-        return self.encoder(tokens, default_positions(tokens), padding_mask(pad_mask), all_layers)
+        return self.encoder.encode(tokens, pad_mask, all_layers)
 
     def flops_per_token_view(self, seq_len: int) -> float:
         return crossbert_flops_per_token_view(
