@@ -42,17 +42,16 @@ DEFAULT_MAX_LEN = 512
 
 @dataclass(frozen=True)
 class GlueTask:
-    name: str  # config and results key
+    name: str  # config and results key, and the HF hub's configuration name
     title: str  # column name in the paper's tables
     folder: str  # folder in the original GLUE layout
-    dev_file: str  # validation split's file name, without .tsv
     text_columns: tuple[str, ...]  # one sentence, or a pair
     label_column: str
     labels: tuple[str, ...]  # label strings in the HF hub's label order; empty for regression (STS-B)
     metrics: tuple[str, ...]
     headline: str  # the table's single number for this task
-    hf_name: str
     hf_text_columns: tuple[str, ...]
+    dev_file: str = "dev"  # validation split's file name, without .tsv
     columns: tuple[str, ...] = ()  # column names of a file without a header line (CoLA)
 
     @property
@@ -61,23 +60,27 @@ class GlueTask:
 
 
 ENTAILMENT = ("entailment", "not_entailment")
+PAIR = ("sentence1", "sentence2")
 TASKS = {task.name: task for task in [  # in the paper's column order
-    GlueTask("mnli", "MNLI", "MNLI", "dev_matched", ("sentence1", "sentence2"), "gold_label",
-             ("entailment", "neutral", "contradiction"), ("acc",), "acc", "mnli", ("premise", "hypothesis")),
-    GlueTask("qnli", "QNLI", "QNLI", "dev", ("question", "sentence"), "label", ENTAILMENT, ("acc",), "acc",
-             "qnli", ("question", "sentence")),
-    GlueTask("qqp", "QQP", "QQP", "dev", ("question1", "question2"), "is_duplicate", ("0", "1"), ("acc", "f1"),
-             "acc", "qqp", ("question1", "question2")),
-    GlueTask("rte", "RTE", "RTE", "dev", ("sentence1", "sentence2"), "label", ENTAILMENT, ("acc",), "acc", "rte",
-             ("sentence1", "sentence2")),
-    GlueTask("sst2", "SST2", "SST-2", "dev", ("sentence",), "label", ("0", "1"), ("acc",), "acc", "sst2",
-             ("sentence",)),
-    GlueTask("mrpc", "MRPC", "MRPC", "dev", ("#1 String", "#2 String"), "Quality", ("0", "1"), ("acc", "f1"), "acc",
-             "mrpc", ("sentence1", "sentence2")),
-    GlueTask("cola", "CoLA", "CoLA", "dev", ("sentence",), "label", ("0", "1"), ("mcc",), "mcc", "cola",
-             ("sentence",), columns=("source", "label", "original_mark", "sentence")),
-    GlueTask("stsb", "STSB", "STS-B", "dev", ("sentence1", "sentence2"), "score", (), ("pearson", "spearman"),
-             "spearman", "stsb", ("sentence1", "sentence2")),
+    GlueTask(name="mnli", title="MNLI", folder="MNLI", dev_file="dev_matched", text_columns=PAIR,
+             label_column="gold_label", labels=("entailment", "neutral", "contradiction"), metrics=("acc",),
+             headline="acc", hf_text_columns=("premise", "hypothesis")),
+    GlueTask(name="qnli", title="QNLI", folder="QNLI", text_columns=("question", "sentence"), label_column="label",
+             labels=ENTAILMENT, metrics=("acc",), headline="acc", hf_text_columns=("question", "sentence")),
+    GlueTask(name="qqp", title="QQP", folder="QQP", text_columns=("question1", "question2"),
+             label_column="is_duplicate", labels=("0", "1"), metrics=("acc", "f1"), headline="acc",
+             hf_text_columns=("question1", "question2")),
+    GlueTask(name="rte", title="RTE", folder="RTE", text_columns=PAIR, label_column="label", labels=ENTAILMENT,
+             metrics=("acc",), headline="acc", hf_text_columns=PAIR),
+    GlueTask(name="sst2", title="SST2", folder="SST-2", text_columns=("sentence",), label_column="label",
+             labels=("0", "1"), metrics=("acc",), headline="acc", hf_text_columns=("sentence",)),
+    GlueTask(name="mrpc", title="MRPC", folder="MRPC", text_columns=("#1 String", "#2 String"),
+             label_column="Quality", labels=("0", "1"), metrics=("acc", "f1"), headline="acc", hf_text_columns=PAIR),
+    GlueTask(name="cola", title="CoLA", folder="CoLA", text_columns=("sentence",), label_column="label",
+             labels=("0", "1"), metrics=("mcc",), headline="mcc", hf_text_columns=("sentence",),
+             columns=("source", "label", "original_mark", "sentence")),
+    GlueTask(name="stsb", title="STSB", folder="STS-B", text_columns=PAIR, label_column="score", labels=(),
+             metrics=("pearson", "spearman"), headline="spearman", hf_text_columns=PAIR),
 ]}
 
 
@@ -180,9 +183,9 @@ def load_hf_split(task: GlueTask, split: str) -> GlueSplit:
                         "or pass data=GLUE_DIR, a folder in the original GLUE TSV layout") from None
     hf_split = "train" if split == "train" else ("validation_matched" if task.name == "mnli" else "validation")
     try:
-        rows = datasets.load_dataset(HF_GLUE, task.hf_name, split=hf_split)
+        rows = datasets.load_dataset(HF_GLUE, task.name, split=hf_split)
     except Exception as e:  # network, hub or cache errors of any kind: the task cannot be loaded
-        raise MissingSplit(f"{HF_GLUE}/{task.hf_name} {hf_split}: {str(e).splitlines()[0] if str(e) else e!r}")
+        raise MissingSplit(f"{HF_GLUE}/{task.name} {hf_split}: {str(e).splitlines()[0] if str(e) else e!r}")
     return split_from_hf_rows(task, rows)
 
 
