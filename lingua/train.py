@@ -9,6 +9,7 @@ dump_dir resumes from the newest complete checkpoint and continues exactly.
 import contextlib
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -168,6 +169,8 @@ class Throughput:
 
 
 def train(app: App, args) -> dict[str, Any]:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would think it is rank 0 and share one dump_dir
+        raise UserError("multi-process training (torchrun, SLURM tasks) is not supported yet: run one process")
     if args.data.seq_len > args.model.encoder.max_seqlen:
         raise UserError(f"data.seq_len ({args.data.seq_len}) exceeds model.encoder.max_seqlen "
                         f"({args.model.encoder.max_seqlen}), the length of the position table")

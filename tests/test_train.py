@@ -14,7 +14,7 @@ import torch
 from conftest import read_metrics, tiny_argv
 
 from apps.bert.train import APP
-from lingua.args import load_config
+from lingua.args import UserError, load_config
 from lingua.checkpoint import load_model
 from lingua.train import train
 
@@ -116,6 +116,12 @@ def test_user_errors_are_one_line(corpus, tmp_path, extra, message):
     proc = subprocess.run([sys.executable, "-m", "apps.bert.train", *argv], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_several_processes_are_refused_until_supported(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="multi-process"):
+        run(tiny_argv(corpus, tmp_path / "run", steps=2))
 
 
 def test_gradient_accumulation_matches_a_full_batch(corpus, tmp_path):
