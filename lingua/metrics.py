@@ -70,6 +70,12 @@ class MetricLogger:
         if self.wandb is not None:
             self.wandb.finish()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _step_of(line: str, default: int) -> int:
     try:

@@ -201,7 +201,6 @@ def train(app: App, args) -> dict[str, Any]:
     if args.validation.every > 0:
         val_tokens = load_validation(args.data, tokenizer, args.validation.n_sequences, rank, world_size)
     forward = torch.compile(model) if args.compile else model
-    metrics = MetricLogger(dump_dir / "metrics.jsonl", state["step"], args.logging, params["config"])
     throughput = Throughput(model, args, world_size)
     logger.info(
         f"{app.name}: {count_params(model):,} parameters ({count_params(model, embeddings=False):,} outside the "
@@ -213,7 +212,11 @@ def train(app: App, args) -> dict[str, Any]:
         logger.info(f"{dump_dir} already holds a finished run of {step} steps: nothing to train")
     window = Window()
     start = time.perf_counter()
-    with build_train_loader(args.data, tokenizer, rank, world_size, state["data"]) as loader, StopSignal() as stop:
+    with (
+        MetricLogger(dump_dir / "metrics.jsonl", state["step"], args.logging, params["config"]) as metrics,
+        build_train_loader(args.data, tokenizer, rank, world_size, state["data"]) as loader,
+        StopSignal() as stop,
+    ):
         while step < args.steps and not stop.requested:
             loss, accuracy, predicted = train_step(model, forward, loader, generator, args, device)
             grad_norm = clip_gradients(model, args.optim.clip)
@@ -244,7 +247,6 @@ def train(app: App, args) -> dict[str, Any]:
                              generator=generator.get_state().tolist())
                 checkpoints.save(step, model, optimizer, state, params)
             throughput.exclude(time.perf_counter() - pause)
-    metrics.close()
 
     if step == args.steps:
         export_consolidated(model, params, dump_dir / "consolidated.pt")
