@@ -2,7 +2,10 @@
 
 Every component owns a dataclass next to its code; an app's top-level config nests them. Values are converted to
 the annotated type of their field, so `model.dim=64` gives an int and `optim.lr=1e-3` a float. A mistake (unknown
-key, wrong type, missing value) raises `UserError` with one line naming the key.
+key, wrong type, missing value, a value out of range) raises `UserError` with one line naming the key.
+
+Each dataclass checks its own values in `__post_init__` with `require` / `at_least`, naming the field; `from_dict`
+adds the path of the enclosing config, so the message names the full key (`model.encoder.n_layers`).
 """
 
 import dataclasses
@@ -13,11 +16,33 @@ from typing import Any, TypeVar
 
 import yaml
 
+from lingua.files import atomic_write
+
 T = TypeVar("T")
 
 
 class UserError(Exception):
     """A mistake the user can fix (bad config, missing file); entry points print it on one line and exit 2."""
+
+
+class ConfigError(UserError):
+    """An invalid value of config field `key` (relative to the dataclass that raised it)."""
+
+    def __init__(self, key: str, problem: str):
+        self.key, self.problem = key, problem
+        super().__init__(f"config key '{key}' {problem}")
+
+
+def require(condition: bool, key: str, problem: str) -> None:
+    if not condition:
+        raise ConfigError(key, problem)
+
+
+def at_least(cfg: Any, minimum: float, *names: str) -> None:
+    """Each named field of `cfg` (None allowed: an optional, unset value) is >= minimum."""
+    for name in names:
+        value = getattr(cfg, name)
+        require(value is None or value >= minimum, name, f"must be >= {minimum}, got {value}")
 
 
 def load_config(cls: type[T], argv: list[str]) -> T:
@@ -52,16 +77,30 @@ def from_dict(cls: type[T], tree: dict[str, Any], prefix: str = "") -> T:
             values[name] = from_dict(hints[name], {}, key + ".")
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise UserError(f"missing required config value '{key}'")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ConfigError as e:  # raised by cls.__post_init__ with the field's own name
+        raise ConfigError(prefix + e.key, e.problem) from None
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """{dotted key: (old value, new value)} for every leaf that differs between two config dicts."""
+    changes = {}
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict) and a and b:
+            changes |= config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes[prefix + key] = (a, b)
+    return changes
+
+
 def dump_config(cfg: Any, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    atomic_write(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
@@ -69,13 +108,23 @@ def _read_yaml(path: str) -> dict[str, Any]:
         tree = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
         raise UserError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise UserError(f"config file {path} is a folder, not a YAML file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read config file {path}: {getattr(e, 'strerror', None) or e}") from None
     except yaml.YAMLError as e:
-        raise UserError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise UserError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
     if tree is None:
         return {}
     if not isinstance(tree, dict):
         raise UserError(f"config file {path} must hold a mapping at its top level")
     return tree
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
 
 
 def _merge(base: dict, update: dict) -> dict:

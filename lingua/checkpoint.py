@@ -3,16 +3,21 @@
 Layout of a run's dump_dir:
     checkpoints/0000001000/        one complete checkpoint: DCP shards of model + optimizer,
         params.json                the app and the resolved config (enough to rebuild the model),
-        train_state_00000.json     each rank's loop state (step, scheduler, data loader, masking RNG)
+        train_state_00000.json     each rank's loop state (step, data loader, masking RNG),
+        manifest.json              every file's size, written last: a missing or truncated file shows before loading
+    checkpoints/0000000900.damaged a checkpoint that failed to load, set aside: never loaded, counted or pruned
     consolidated.pt                the final weights in one file, with the app and the config
 
 A checkpoint is written to a `.tmp` folder and renamed once every file is on disk, so a process killed while
-saving leaves the previous checkpoint in force. Older checkpoints beyond `keep` are deleted.
+saving leaves the previous checkpoint in force; a save that fails (a full disk) removes its `.tmp` folder and says
+why in one line. Older checkpoints beyond `keep` are deleted through a `.deleting` rename, so a half-deleted one
+never looks complete; leftovers of killed processes are removed when the next run starts.
 
 `python -m lingua.checkpoint export CHECKPOINT_DIR OUT.pt` consolidates any checkpoint into one file.
 """
 
 import contextlib
+import errno
 import importlib
 import json
 import logging
@@ -25,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,12 +40,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from lingua.args import UserError, from_dict
+from lingua.args import UserError, at_least, from_dict
+from lingua.distributed import barrier, rank_and_world
+from lingua.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = re.compile(r"^\d{10}$")
 CONSOLIDATED = "consolidated.pt"
+MANIFEST = "manifest.json"
+LOW_DISK_BYTES = 2**20  # a save that fails with less free space than this failed because the disk is full
 
 
 @dataclass
@@ -48,11 +57,21 @@ class CheckpointArgs:
     every: int = 1000  # steps between checkpoints (the last step and a stop signal always save)
     keep: int = 3  # most recent checkpoints kept; 0 keeps all
 
+    def __post_init__(self):
+        at_least(self, 1, "every")
+        at_least(self, 0, "keep")
 
-def rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint with a missing, truncated or unreadable file."""
+
+
+def short_reason(error: BaseException) -> str:
+    """One line for an exception, also for DCP's CheckpointException, whose text is a traceback per rank."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 @contextlib.contextmanager
@@ -63,9 +82,33 @@ def _dcp_quietly():
         yield
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DamagedCheckpoint(f"{path.name}: {short_reason(e)}") from None
+
+
+def verify(path: Path) -> dict:
+    """The checkpoint's params.json, once every file its manifest lists is there with its size."""
+    if (path / MANIFEST).exists():  # checkpoints of older versions have none: their load is the check
+        for name, size in _read_json(path / MANIFEST).items():
+            file = path / name
+            if not file.is_file():
+                raise DamagedCheckpoint(f"{name} is missing")
+            if file.stat().st_size != size:
+                raise DamagedCheckpoint(f"{name} has {file.stat().st_size} bytes, {size} were written")
+    return _read_json(path / "params.json")
+
+
+def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Shape of every model tensor in a DCP checkpoint, from its metadata (no tensor is read)."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except (Exception, CheckpointException) as e:
+        raise DamagedCheckpoint(f".metadata: {short_reason(e)}") from None
+    return {k.removeprefix("model."): tuple(v.size) for k, v in metadata.items()
+            if k.startswith("model.") and hasattr(v, "size")}
 
 
 class CheckpointManager:
@@ -81,50 +124,90 @@ class CheckpointManager:
         done = self.complete_checkpoints()
         return done[-1] if done else None
 
+    def damaged_checkpoints(self) -> list[Path]:
+        return sorted(self.folder.glob("*.damaged*")) if self.folder.is_dir() else []
+
+    def remove_leftovers(self) -> None:
+        """Half-written (`.tmp`) and half-deleted (`.deleting`) checkpoints of processes killed at that moment."""
+        if rank_and_world()[0] == 0 and self.folder.is_dir():
+            for leftover in [*self.folder.glob("*.tmp"), *self.folder.glob("*.deleting")]:
+                shutil.rmtree(leftover)
+                logger.info(f"removed {leftover.name}, left by a process killed while saving or pruning")
+        barrier()
+
+    def set_aside(self, path: Path) -> Path:
+        """Renames a damaged checkpoint so it is never loaded, counted or pruned again; its files stay."""
+        target, n = path.with_name(path.name + ".damaged"), 1
+        while target.exists():
+            target, n = path.with_name(f"{path.name}.damaged-{n}"), n + 1
+        if rank_and_world()[0] == 0:
+            os.replace(path, target)
+        barrier()
+        return target
+
     def save(self, step: int, model: nn.Module, optimizer, train_state: dict, params: dict) -> Path:
         rank, _ = rank_and_world()
         final = self.folder / f"{step:010d}"
         tmp = final.with_name(final.name + ".tmp")
+        try:
+            if rank == 0:
+                tmp.mkdir(parents=True)
+            barrier()
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            with _dcp_quietly():
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            (tmp / f"train_state_{rank:05d}.json").write_text(json.dumps(train_state))
+            if rank == 0:
+                (tmp / "params.json").write_text(json.dumps(params))
+            barrier()
+            if rank == 0:
+                sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+                (tmp / MANIFEST).write_text(json.dumps(sizes))
+        except (Exception, CheckpointException) as e:
+            reason = self._save_failure(e)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(f"could not save checkpoint {final}: {reason}; the previous checkpoint is kept") from None
         if rank == 0:
-            for leftover in self.folder.glob("*.tmp"):  # left by a process killed while saving
-                shutil.rmtree(leftover)
-            tmp.mkdir(parents=True)
-        _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        with _dcp_quietly():
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        (tmp / f"train_state_{rank:05d}.json").write_text(json.dumps(train_state))  # the folder's rename is atomic
-        if rank == 0:
-            (tmp / "params.json").write_text(json.dumps(params))
-        _barrier()
-        if rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            if final.exists():  # the same step saved again (a stop right after resuming): swap, then delete
+                os.replace(final, final.with_name(final.name + ".deleting"))
+            os.replace(tmp, final)  # the folder's rename is atomic
             self._prune()
             logger.info(f"saved checkpoint {final}")
-        _barrier()
+        barrier()
         return final
 
+    def _save_failure(self, error: BaseException) -> str:
+        """DCP reports a full disk as a torn zip record, not ENOSPC: the free space tells."""
+        free = shutil.disk_usage(self.folder if self.folder.exists() else self.folder.parent).free
+        if getattr(error, "errno", None) == errno.ENOSPC or free < LOW_DISK_BYTES:
+            return f"the disk is full ({free:,} bytes free)"
+        return short_reason(error)
+
     def load(self, path: Path, model: nn.Module, optimizer) -> dict:
-        """Loads model and optimizer in place; returns this rank's train state."""
+        """Loads model and optimizer in place; returns this rank's train state. DamagedCheckpoint if it cannot."""
         rank, _ = rank_and_world()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        with _dcp_quietly():
-            dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        verify(path)
         state_file = path / f"train_state_{rank:05d}.json"
         if not state_file.exists():
             raise UserError(f"{state_file} is missing: resume with the world size the checkpoint was saved with")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        try:
+            with _dcp_quietly():
+                dcp.load(state, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:
+            raise DamagedCheckpoint(short_reason(e)) from None
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         logger.info(f"resumed from {path}")
-        return json.loads(state_file.read_text())
+        return _read_json(state_file)
 
     def _prune(self) -> None:
-        if self.args.keep > 0:
-            for old in self.complete_checkpoints()[: -self.args.keep]:
-                doomed = old.with_name(old.name + ".deleting")  # no longer looks complete, even if killed mid-delete
-                os.replace(old, doomed)
-                shutil.rmtree(doomed)
+        for old in self.complete_checkpoints()[: -self.args.keep] if self.args.keep > 0 else []:
+            doomed = old.with_name(old.name + ".deleting")  # no longer looks complete, even if killed mid-delete
+            os.replace(old, doomed)
+            shutil.rmtree(doomed)
+        for doomed in self.folder.glob("*.deleting"):  # a checkpoint saved again over itself
+            shutil.rmtree(doomed)
 
 
 def export_consolidated(model: nn.Module, params: dict, path: str | Path) -> Path:
@@ -133,9 +216,14 @@ def export_consolidated(model: nn.Module, params: dict, path: str | Path) -> Pat
     weights = get_model_state_dict(model, options=options)
     path = Path(path)
     if rank_and_world()[0] == 0:
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save({**params, "model": weights}, tmp)
-        os.replace(tmp, path)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        try:
+            torch.save({**params, "model": weights}, tmp)
+            os.replace(tmp, path)
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+            raise UserError(f"cannot write {path}: {short_reason(e)}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
     return path
 
 
@@ -143,7 +231,10 @@ def build_from_params(params: dict, device: str | torch.device = "cpu"):
     """Rebuilds (initialised, untrained) model, config and tokenizer from {"app": module, "config": dict}."""
     from lingua.tokenizer import build_tokenizer
 
-    app = importlib.import_module(params["app"]).APP
+    try:
+        app = importlib.import_module(params["app"]).APP
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"the checkpoint's app {params['app']!r} cannot be imported ({short_reason(e)})") from None
     config = from_dict(app.args_cls, params["config"])
     tokenizer = build_tokenizer(config.data.tokenizer)
     with torch.device("meta"):
@@ -171,20 +262,53 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
-    """Model (eval mode), config and tokenizer from anything `resolve_checkpoint` accepts."""
+    """Model (eval mode), config and tokenizer from anything `resolve_checkpoint` accepts; a file that is not a
+    checkpoint, or a damaged one, is a UserError naming it."""
     path = resolve_checkpoint(path)
-    if path.is_dir():
-        params = json.loads((path / "params.json").read_text())
-        model, config, tokenizer = build_from_params(params, device)
-        state = {"model": get_model_state_dict(model)}
+    try:
+        if path.is_dir():
+            return _load_folder(path, device)
+        return _load_file(path, device)
+    except DamagedCheckpoint as e:
+        raise UserError(f"checkpoint {path} is damaged: {e}") from None
+
+
+def _load_folder(path: Path, device):
+    model, config, tokenizer = build_from_params(verify(path), device)
+    _check_shapes(path, saved_shapes(path), model)
+    state = {"model": get_model_state_dict(model)}
+    try:
         with _dcp_quietly():
             dcp.load(state, checkpoint_id=str(path))
-        model.load_state_dict(state["model"])
-    else:
-        saved = torch.load(path, map_location=device, weights_only=True)
-        model, config, tokenizer = build_from_params(saved, device)
-        model.load_state_dict(saved["model"])
+    except (Exception, CheckpointException) as e:
+        raise DamagedCheckpoint(short_reason(e)) from None
+    model.load_state_dict(state["model"])
     return model.eval(), config, tokenizer
+
+
+def _load_file(path: Path, device):
+    try:
+        saved = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # pickle, zip and torch errors of every kind: this is not one of our files
+        raise UserError(f"{path} is not a checkpoint ({short_reason(e)})") from None
+    if not isinstance(saved, dict) or not {"app", "config", "model"} <= saved.keys():
+        raise UserError(f"{path} is not a checkpoint of this library (no app, config and model in it)")
+    model, config, tokenizer = build_from_params(saved, device)
+    _check_shapes(path, {k: tuple(v.shape) for k, v in saved["model"].items()}, model)
+    model.load_state_dict(saved["model"])
+    return model.eval(), config, tokenizer
+
+
+def shape_mismatches(saved: dict[str, tuple[int, ...]], model: nn.Module) -> list[str]:
+    """Parameter names whose saved shape differs from the model's, or that only one side has."""
+    expected = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    return sorted(k for k in saved.keys() | expected.keys() if saved.get(k) != expected.get(k))
+
+
+def _check_shapes(path: Path, saved: dict[str, tuple[int, ...]], model: nn.Module) -> None:
+    mismatched = shape_mismatches(saved, model)
+    if mismatched:  # the model was rebuilt from the checkpoint's own config: its files do not match it
+        raise DamagedCheckpoint(f"its tensors do not match its config (first: {mismatched[0]})")
 
 
 def main(argv: list[str]) -> None:
@@ -193,10 +317,9 @@ def main(argv: list[str]) -> None:
     try:
         checkpoint = resolve_checkpoint(argv[1])
         if not checkpoint.is_dir():
-            raise UserError(f"{checkpoint} is already a consolidated file")
+            raise UserError(f"{checkpoint} is a file; export takes a checkpoint folder or a run's dump_dir")
         model, _, _ = load_model(checkpoint)
-        params = json.loads((checkpoint / "params.json").read_text())
-        print(f"wrote {export_consolidated(model, params, argv[2])}")
+        print(f"wrote {export_consolidated(model, verify(checkpoint), argv[2])}")
     except UserError as e:
         sys.exit(f"error: {e}")
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lingua.args import UserError
+from lingua.args import UserError, at_least, require
 from lingua.tokenizer import TokenizerArgs
 
 logger = logging.getLogger(__name__)
@@ -44,16 +44,19 @@ class DataArgs:
     prefetch: int = 8  # batches loaded ahead in a background thread (0: load in the caller's thread)
     tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
 
+    def __post_init__(self):
+        at_least(self, 1, "seq_len", "batch_size")
+        at_least(self, 0, "prefetch")
+        weights = self.sources.values()
+        require(all(w >= 0 for w in weights) and (not weights or sum(weights) > 0), "sources",
+                f"weights must be >= 0 with a positive sum, got {self.sources}")
+
 
 def _check_args(args: DataArgs) -> None:
     if not os.path.isdir(args.root_dir):
         raise UserError(f"data root_dir not found: '{args.root_dir}'")
     if not args.sources:
         raise UserError("data.sources is empty: give at least one source folder with a weight")
-    if any(w < 0 for w in args.sources.values()) or sum(args.sources.values()) <= 0:
-        raise UserError(f"data.sources weights must be >= 0 with a positive sum, got {args.sources}")
-    if args.seq_len < 1 or args.batch_size < 1:
-        raise UserError(f"data.seq_len and data.batch_size must be >= 1, got {args.seq_len}, {args.batch_size}")
     for name in args.sources:
         if not os.path.isdir(os.path.join(args.root_dir, name)):
             raise UserError(f"data source folder not found: '{os.path.join(args.root_dir, name)}'")

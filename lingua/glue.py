@@ -22,6 +22,7 @@ import csv
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 
 from lingua import probes
-from lingua.args import UserError
+from lingua.args import UserError, at_least
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ class GlueEvalArgs:
     seed: int = 0  # the permutation that picks and orders the training examples
     every: int = 0  # training loop only: run the probes every N steps (0: never)
 
+    def __post_init__(self):
+        at_least(self, 0, "every")
+
 
 # ---------------------------------------------------------------------------------------------------------- data
 
@@ -152,9 +156,10 @@ def _read_rows(rows, task: GlueTask, path: str | Path) -> GlueSplit:
 def _parse_label(task: GlueTask, value: str) -> float | int | None:
     if task.regression:
         try:
-            return float(value)
+            score = float(value)
         except ValueError:
             return None
+        return score if math.isfinite(score) else None  # "nan" and "inf" parse, but are no score
     return task.labels.index(value) if value in task.labels else None
 
 
@@ -167,7 +172,8 @@ def split_from_hf_rows(task: GlueTask, rows) -> GlueSplit:
     texts, labels, skipped = [], [], 0
     for row in rows:
         label = row["label"]
-        if not task.regression and not 0 <= label < len(task.labels):  # -1: unlabelled (test splits)
+        valid = math.isfinite(label) if task.regression else 0 <= label < len(task.labels)  # -1: unlabelled
+        if not valid:
             skipped += 1
             continue
         texts.append(tuple(row[c] for c in task.hf_text_columns))
@@ -314,7 +320,15 @@ class FeatureCache:
         return self.directory / f"{task}.{split}.layer-{layer}.{digest}.pt"
 
     def load(self, path: Path) -> Tensor | None:
-        return torch.load(path, weights_only=True) if path.is_file() else None
+        """The cached features, or None when absent or unreadable (a file torn by a crash is removed, recomputed)."""
+        if not path.is_file():
+            return None
+        try:
+            return torch.load(path, weights_only=True)
+        except Exception as e:  # truncated zip, bad pickle: any failure means "recompute"
+            logger.warning(f"feature cache file {path.name} is unreadable ({type(e).__name__}): recomputing it")
+            path.unlink(missing_ok=True)
+            return None
 
     def save(self, path: Path, features: Tensor) -> None:
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")

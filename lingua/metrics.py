@@ -10,6 +10,9 @@ from typing import Any
 
 import torch
 
+from lingua.args import at_least, require
+from lingua.files import atomic_write
+
 logger = logging.getLogger(__name__)
 
 
@@ -18,6 +21,10 @@ class LoggingArgs:
     freq: int = 10  # steps between metric lines
     peak_tflops: float = 989.0  # per device, for MFU; 989 = H100 SXM dense bf16. Set to your hardware's peak.
     wandb_project: str = ""  # log to wandb too when set (needs `pip install wandb`)
+
+    def __post_init__(self):
+        at_least(self, 1, "freq")
+        require(self.peak_tflops > 0, "peak_tflops", f"must be > 0, got {self.peak_tflops}")
 
 
 def setup_logging(log_file: Path | None = None) -> None:
@@ -44,14 +51,15 @@ def peak_memory_gib(device: torch.device) -> float:
 
 class MetricLogger:
     """Appends records to metrics.jsonl. On resume, drops the records past the resumed step, which the resumed run
-    will write again, so the file always describes one consistent run."""
+    will write again, so the file always describes one consistent run; that rewrite is atomic, so a kill during it
+    leaves the old file whole."""
 
     def __init__(self, path: Path, resume_step: int, args: LoggingArgs, config: dict[str, Any]):
         self.path = path
         if path.exists():
             kept = [line for line in path.read_text().splitlines() if _step_of(line, default=resume_step + 1)
                     <= resume_step]  # a line torn by a kill is dropped with the rest past the checkpoint
-            path.write_text("".join(line + "\n" for line in kept))
+            atomic_write(path, "".join(line + "\n" for line in kept))
         self.file = path.open("a")
         self.wandb = None
         if args.wandb_project:

@@ -1,4 +1,8 @@
-"""AdamW with linear warm-up then cosine decay to a minimum learning rate (paper: betas 0.9/0.95, min lr 1e-6)."""
+"""AdamW with linear warm-up then cosine decay to a minimum learning rate (paper: betas 0.9/0.95, min lr 1e-6).
+
+The schedule is a pure function of the step and the run's length (`lr_at`), set before every step: nothing about
+it is checkpointed, so a resumed run, or one extended to more steps, follows the schedule of its current config.
+"""
 
 import math
 from dataclasses import dataclass
@@ -6,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lingua.args import UserError
+from lingua.args import at_least, require
 
 
 @dataclass
@@ -21,8 +25,12 @@ class OptimArgs:
     clip: float = 1.0  # max global grad norm; 0 disables clipping
 
     def __post_init__(self):
-        if self.lr_min > self.lr:
-            raise UserError(f"optim.lr_min ({self.lr_min}) is larger than optim.lr ({self.lr})")
+        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(0 <= self.lr_min <= self.lr, "lr_min", f"must be between 0 and lr ({self.lr}), got {self.lr_min}")
+        require(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
+        for name in ("beta1", "beta2"):
+            require(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
+        at_least(self, 0, "weight_decay", "warmup", "clip")
 
 
 def lr_at(step: int, args: OptimArgs, total_steps: int) -> float:
@@ -46,12 +54,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, args: OptimArgs, total_steps: int):
-    optimizer = torch.optim.AdamW(
+def build_optimizer(model: nn.Module, args: OptimArgs) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
         param_groups(model, args.weight_decay),
         lr=args.lr,
         betas=(args.beta1, args.beta2),
         eps=args.eps,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, args, total_steps) / args.lr)
-    return optimizer, scheduler
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -29,7 +29,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from lingua.args import UserError
+from lingua.args import UserError, require
 
 # tiktoken's published hash of r50k_base.tiktoken (tiktoken_ext/openai_public.py)
 R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -41,6 +41,9 @@ FETCH_HINT = "run `python setup/fetch_tokenizer.py` or set tokenizer.path to a r
 class TokenizerArgs:
     name: str = "gpt2"  # "gpt2" | "bytes"
     path: str = ""  # local r50k_base.tiktoken file (gpt2 only); empty = default location, then tiktoken
+
+    def __post_init__(self):
+        require(self.name in ("gpt2", "bytes"), "name", f"must be 'gpt2' or 'bytes', got '{self.name}'")
 
 
 def default_tokenizer_dir() -> Path:
@@ -111,6 +114,4 @@ def _r50k(path: str) -> tiktoken.Encoding:
 def build_tokenizer(args: TokenizerArgs) -> BytesTokenizer | TiktokenTokenizer:
     if args.name == "bytes":
         return BytesTokenizer()
-    if args.name == "gpt2":
-        return TiktokenTokenizer(_r50k(args.path))
-    raise UserError(f"unknown tokenizer name '{args.name}' (expected 'gpt2' or 'bytes')")
+    return TiktokenTokenizer(_r50k(args.path))

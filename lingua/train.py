@@ -3,14 +3,15 @@
 An app (apps/<name>/train.py) supplies only its model and config: `App(name, args_cls, build_model)`. The model
 owns its masking (`make_batch`, random draws from a generator the loop checkpoints), its loss (`forward`) and its
 FLOPs per token (`flops_per_token_view`). Everything about a run lives in its `dump_dir`; restarting with the same
-dump_dir resumes from the newest complete checkpoint and continues exactly.
+dump_dir resumes from the newest checkpoint that loads and continues exactly.
+
+Exit status of `main`: 0 the run finished (or had nothing left to do); 2 a one-line error (a bad config or input,
+a refused start, a failed write); EXIT_STOPPED a stop signal saved a checkpoint (the same command resumes);
+EXIT_DIVERGED the loss or gradient became non-finite (nothing non-finite was saved); 130 interrupted without saving.
 """
 
-import contextlib
 import logging
 import math
-import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -20,14 +21,25 @@ from typing import Any
 
 import torch
 
-from lingua.args import UserError, dump_config, load_config, to_dict
+from lingua.args import UserError, at_least, config_changes, dump_config, load_config, require, to_dict
 from lingua.checkpoint import (
     CheckpointArgs,
     CheckpointManager,
+    DamagedCheckpoint,
     export_consolidated,
-    rank_and_world,
+    saved_shapes,
+    shape_mismatches,
+    verify,
 )
 from lingua.data import DataArgs, build_train_loader, load_validation
+from lingua.distributed import (
+    RunLock,
+    StopSignal,
+    autocast,
+    check_single_process,
+    rank_and_world,
+    resolve_device,
+)
 from lingua.flops import count_params
 from lingua.glue import GlueEvalArgs, check_args, run_glue_probes
 from lingua.metrics import (
@@ -37,10 +49,13 @@ from lingua.metrics import (
     peak_memory_gib,
     setup_logging,
 )
-from lingua.optim import OptimArgs, build_optimizer
+from lingua.optim import OptimArgs, build_optimizer, lr_at, set_lr
 from lingua.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
+
+EXIT_STOPPED = 3
+EXIT_DIVERGED = 4
 
 
 @dataclass
@@ -49,6 +64,10 @@ class ValidationArgs:
     n_sequences: int = 64  # fixed held-out sequences
     batch_size: int = 16
     seed: int = 1234  # the masking of the validation set is the same at every validation and in every run
+
+    def __post_init__(self):
+        at_least(self, 0, "every")
+        at_least(self, 1, "n_sequences", "batch_size")
 
 
 @dataclass
@@ -67,46 +86,16 @@ class TrainArgs:
     validation: ValidationArgs = field(default_factory=ValidationArgs)
     eval: GlueEvalArgs = field(default_factory=GlueEvalArgs)  # frozen GLUE probes every eval.every steps (0: off)
 
+    def __post_init__(self):
+        require(bool(self.dump_dir.strip()), "dump_dir", "is empty: name the run's folder")
+        at_least(self, 1, "steps", "grad_acc_steps")
+
 
 @dataclass
 class App:
     name: str  # the module that defines APP, e.g. "apps.bert.train"; stored with checkpoints to rebuild the model
     args_cls: type
     build_model: Callable[[Any, Any], torch.nn.Module]
-
-
-class StopSignal:
-    """SIGTERM / SIGUSR2 (SLURM's warning before a kill) request a checkpoint and a clean stop."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
-
-    def __init__(self):
-        self.requested = False
-
-    def __enter__(self):
-        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-    def _handle(self, signum, frame):
-        logger.warning(f"received {signal.Signals(signum).name}: saving a checkpoint and stopping")
-        self.requested = True
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def autocast(device: torch.device):
-    """bf16 mixed precision on GPU; full precision on CPU, where bf16 matmuls are slow."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def build_model(app: App, args, tokenizer, device: torch.device) -> torch.nn.Module:
@@ -168,35 +157,62 @@ class Throughput:
         return out
 
 
+class Diverged(Exception):
+    """The loss or the gradient norm became non-finite; the run stops without saving."""
+
+
+class NonFiniteGuard:
+    """Remembers, on the device, the first step whose loss or gradient norm was not finite. Reading it is a host sync,
+    so the loop reads it only where it syncs anyway: before a log line, an evaluation and a checkpoint."""
+
+    def __init__(self, device: torch.device):
+        self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
+
+    def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        self.first_bad_step = torch.where(bad & (self.first_bad_step == 0), step, self.first_bad_step)
+
+    def check(self, checkpoints: CheckpointManager) -> None:
+        step = int(self.first_bad_step)
+        if step:
+            latest = checkpoints.latest()
+            kept = f"the newest checkpoint, {latest.name}, is finite" if latest else "no checkpoint was saved"
+            raise Diverged(f"the loss or gradient norm is not finite at step {step}: the run stops without saving "
+                           f"({kept}); lower optim.lr or raise optim.warmup, then run again")
+
+
 def train(app: App, args) -> dict[str, Any]:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would think it is rank 0 and share one dump_dir
-        raise UserError("multi-process training (torchrun, SLURM tasks) is not supported yet: run one process")
+    """Trains, or resumes, the run in args.dump_dir. The dump_dir is locked for the run; nothing in it is written
+    before the start has succeeded (config checked, checkpoint loaded, data found)."""
+    check_single_process()
     if args.data.seq_len > args.model.encoder.max_seqlen:
         raise UserError(f"data.seq_len ({args.data.seq_len}) exceeds model.encoder.max_seqlen "
                         f"({args.model.encoder.max_seqlen}), the length of the position table")
-    dump_dir = Path(args.dump_dir)
-    dump_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(dump_dir / "train.log")
-    dump_config(args, dump_dir / "config.yaml")
-    rank, world_size = rank_and_world()
     device = resolve_device(args.device)
-    tokenizer = build_tokenizer(args.data.tokenizer)
-    model = build_model(app, args, tokenizer, device)
-    optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
-    generator = torch.Generator(device).manual_seed(args.seed + rank)  # the masking's random draws
-    params = {"app": app.name, "config": to_dict(args)}
-    checkpoints = CheckpointManager(dump_dir / "checkpoints", args.checkpoint)
-
-    state = {"step": 0, "data": None, "data_tokens": 0}
-    latest = checkpoints.latest()
-    if latest is not None:
-        state = checkpoints.load(latest, model, optimizer)
-        scheduler.load_state_dict(state["scheduler"])
-        generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
-
     if args.eval.every > 0:
         check_args(args.eval)  # a bad GLUE path fails now, not at the first evaluation
         args.eval.max_len = min(args.eval.max_len or args.data.seq_len, args.model.encoder.max_seqlen)
+    dump_dir = Path(args.dump_dir)
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    with RunLock(dump_dir):
+        setup_logging(dump_dir / "train.log")
+        return _train(app, args, dump_dir, device)
+
+
+def _train(app: App, args, dump_dir: Path, device: torch.device) -> dict[str, Any]:
+    rank, world_size = rank_and_world()
+    tokenizer = build_tokenizer(args.data.tokenizer)
+    model = build_model(app, args, tokenizer, device)
+    check_batch_shape(model, args, device)
+    optimizer = build_optimizer(model, args.optim)
+    generator = torch.Generator(device).manual_seed(args.seed + rank)  # the masking's random draws
+    params = {"app": app.name, "config": to_dict(args)}
+    checkpoints = CheckpointManager(dump_dir / "checkpoints", args.checkpoint)
+    checkpoints.remove_leftovers()
+    state = resume(checkpoints, model, optimizer, app, args) or {"step": 0, "data": None, "data_tokens": 0}
+    if "generator" in state:
+        generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
     val_tokens = None
     if args.validation.every > 0:
         val_tokens = load_validation(args.data, tokenizer, args.validation.n_sequences, rank, world_size)
@@ -210,59 +226,118 @@ def train(app: App, args) -> dict[str, Any]:
     step, first_loss, last = state["step"], None, {}
     if step >= args.steps:
         logger.info(f"{dump_dir} already holds a finished run of {step} steps: nothing to train")
-    window = Window()
+    window, guard = Window(), NonFiniteGuard(device)
     start = time.perf_counter()
     with (
-        MetricLogger(dump_dir / "metrics.jsonl", state["step"], args.logging, params["config"]) as metrics,
         build_train_loader(args.data, tokenizer, rank, world_size, state["data"]) as loader,
+        MetricLogger(dump_dir / "metrics.jsonl", state["step"], args.logging, params["config"]) as metrics,
         StopSignal() as stop,
     ):
+        dump_config(args, dump_dir / "config.yaml")  # the start has succeeded: this is now the run's config
         while step < args.steps and not stop.requested:
+            lr = lr_at(step, args.optim, args.steps)
+            set_lr(optimizer, lr)
             loss, accuracy, predicted = train_step(model, forward, loader, generator, args, device)
             grad_norm = clip_gradients(model, args.optim.clip)
-            lr = scheduler.get_last_lr()[0]  # the rate this step uses
             optimizer.step()
-            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            guard.update(step, loss, grad_norm)
             state["data_tokens"] += throughput.per_step["data_tokens"]
             throughput.step(predicted)
             window.add(loss=loss, accuracy=accuracy, grad_norm=grad_norm)
 
             if step % args.logging.freq == 0 or step == args.steps:
+                guard.check(checkpoints)
                 last = {"step": step, **window.means(), "lr": lr, **throughput.report(),
                         "data_tokens": state["data_tokens"],
                         "compute_flops": state["data_tokens"] * model.views_per_sequence * throughput.flops_per_view,
                         "memory_gib": peak_memory_gib(device), "malformed_lines": loader.malformed_lines}
-                if not math.isfinite(last["loss"]):
-                    raise RuntimeError(f"loss is {last['loss']} at step {step}")
                 first_loss = last["loss"] if first_loss is None else first_loss
                 metrics.log(last)
                 logger.info(format_progress(last, args.steps))
             pause = time.perf_counter()
             if not stop.requested:  # on a stop signal, save at once: the job may have little time left
-                evaluate(step, model, tokenizer, val_tokens, args, device, metrics, rank)
+                evaluate(step, model, tokenizer, val_tokens, args, device, metrics, rank, lambda: guard.check(checkpoints))
             if step % args.checkpoint.every == 0 or step == args.steps or stop.requested:
-                state.update(step=step, data=loader.state_dict(), scheduler=scheduler.state_dict(),
-                             generator=generator.get_state().tolist())
+                guard.check(checkpoints)  # a non-finite state never becomes a checkpoint nor prunes a good one
+                state.update(step=step, data=loader.state_dict(), generator=generator.get_state().tolist())
                 checkpoints.save(step, model, optimizer, state, params)
             throughput.exclude(time.perf_counter() - pause)
 
     if step == args.steps:
         export_consolidated(model, params, dump_dir / "consolidated.pt")
     summary = {"steps": step, "first_loss": first_loss, "final_loss": last.get("loss"),
-               "data_tokens": state["data_tokens"], "seconds": round(time.perf_counter() - start, 1)}
+               "data_tokens": state["data_tokens"], "seconds": round(time.perf_counter() - start, 1),
+               "stopped_by": stop.received}
     logger.info("summary: " + " | ".join(f"{k} {v}" for k, v in summary.items()))
     return summary
 
 
-def evaluate(step, model, tokenizer, val_tokens, args, device, metrics, rank) -> None:
-    """Validation loss and, when configured, the frozen GLUE probes, at their intervals."""
-    if val_tokens is not None and (step % args.validation.every == 0 or step == args.steps):
+def check_batch_shape(model, args, device: torch.device) -> None:
+    """The app can make a batch of data.seq_len tokens (e.g. its mask ratio masks at least one token); checked at the
+    start with a throwaway generator, so the run's random draws are untouched."""
+    tokens = torch.zeros(1, args.data.seq_len, dtype=torch.long, device=device)
+    model.make_batch(tokens, torch.Generator(device).manual_seed(0))
+
+
+def resume(checkpoints: CheckpointManager, model, optimizer, app: App, args) -> dict | None:
+    """Loads the newest checkpoint that loads and returns its train state; None for a new run.
+
+    A damaged checkpoint (a missing, truncated or unreadable file) is set aside and the one before it is tried. A
+    checkpoint of another app or model shape is refused in one line, before anything is loaded or written.
+    """
+    for path in reversed(checkpoints.complete_checkpoints()):
+        try:
+            saved = verify(path)
+            check_same_model(path, saved, saved_shapes(path), model, app, args)
+            state = checkpoints.load(path, model, optimizer)
+        except DamagedCheckpoint as e:
+            aside = checkpoints.set_aside(path)
+            logger.warning(f"checkpoint {path.name} is damaged ({e}): set aside as {aside.name}; "
+                           "trying the one before it")
+            continue
+        report_changes(saved["config"], args, state["step"])
+        return state
+    if checkpoints.damaged_checkpoints():
+        raise UserError(f"no checkpoint in {checkpoints.folder} loads (the damaged ones are kept as *.damaged): "
+                        "delete them to start this run from scratch, or use another dump_dir")
+    return None
+
+
+def check_same_model(path: Path, saved: dict, shapes: dict, model, app: App, args) -> None:
+    run = path.parent.parent
+    if saved["app"] != app.name:
+        raise UserError(f"{run} holds a run of {saved['app']}, not {app.name}: use another dump_dir")
+    mismatched = shape_mismatches(shapes, model)
+    if mismatched:
+        changed = [f"{key} {old} -> {new}" for key, (old, new) in config_changes(saved["config"], to_dict(args)).items()
+                   if key.startswith(("model.", "data.tokenizer."))]
+        raise UserError(f"{run} holds a model of another shape ({', '.join(changed) or 'tensor ' + mismatched[0]}): "
+                        "resume with its config, or use another dump_dir")
+
+
+def report_changes(old_config: dict, args, step: int) -> None:
+    changes = config_changes(old_config, to_dict(args))
+    if changes:
+        logger.warning("resuming with changed settings: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()))
+    if "steps" in changes and step < args.steps:
+        logger.warning(f"the learning-rate schedule is now that of a {args.steps}-step run: step {step + 1} uses lr "
+                       f"{lr_at(step, args.optim, args.steps):.3g} (warm-up {args.optim.warmup} steps, cosine to "
+                       f"{args.optim.lr_min:g} at step {args.steps})")
+
+
+def evaluate(step, model, tokenizer, val_tokens, args, device, metrics, rank, check_finite) -> None:
+    """Validation loss and, when configured, the frozen GLUE probes, at their intervals (on a finite model)."""
+    validating = val_tokens is not None and (step % args.validation.every == 0 or step == args.steps)
+    probing = args.eval.every > 0 and step % args.eval.every == 0 and rank == 0
+    if validating or probing:
+        check_finite()
+    if validating:
         record = {"step": step, **validate(model, val_tokens, args.validation, device)}
         metrics.log(record)
         logger.info(f"step {step} | val loss {record['val/loss']:.4f} | val acc {record['val/accuracy']:.3f}")
-    if args.eval.every > 0 and step % args.eval.every == 0 and rank == 0:
+    if probing:
         scores = run_glue_probes(model, tokenizer, args.eval, device)
         metrics.log({"step": step, **scores})
         logger.info(f"step {step} | " + " | ".join(f"{k} {v:.1f}" for k, v in scores.items()))
@@ -306,9 +381,22 @@ def clip_gradients(model, max_norm: float) -> torch.Tensor:
 
 
 def main(app: App, argv: list[str] | None = None) -> None:
+    """The command line of every app's train.py; exits with the status documented at the top of this module."""
     try:
         args = load_config(app.args_cls, sys.argv[1:] if argv is None else argv)
-        train(app, args)
+        summary = train(app, args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _fail(str(e), 2)
+    except OSError as e:  # a full disk or a lost mount while writing logs, metrics or the export
+        _fail(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}", 2)
+    except Diverged as e:
+        _fail(str(e), EXIT_DIVERGED)
+    except KeyboardInterrupt:
+        _fail("interrupted: nothing was saved since the last checkpoint", 130)
+    if summary["stopped_by"]:
+        sys.exit(EXIT_STOPPED)
+
+
+def _fail(message: str, status: int):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(status)

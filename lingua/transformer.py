@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lingua.args import UserError
+from lingua.args import at_least, require
 
 ATTN_BACKENDS = ("sdpa", "flex", "xformers")
 
@@ -35,10 +35,13 @@ class TransformerArgs:
     attn_backend: str = "sdpa"  # sdpa (CPU and GPU) | flex (GPU, compiled flex_attention) | xformers (if installed)
 
     def __post_init__(self):
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise UserError(f"attn_backend must be one of {ATTN_BACKENDS}, got '{self.attn_backend}'")
-        if self.head_dim is None and self.dim % self.n_heads:
-            raise UserError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}; set head_dim")
+        at_least(self, 1, "dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "max_seqlen")
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        require(self.attn_backend in ATTN_BACKENDS, "attn_backend",
+                f"must be one of {', '.join(ATTN_BACKENDS)}, got '{self.attn_backend}'")
+        require(self.head_dim is not None or self.dim % self.n_heads == 0, "dim",
+                f"{self.dim} is not divisible by n_heads {self.n_heads}; set head_dim")
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int) -> int:

@@ -258,7 +258,7 @@ def test_command_errors_are_one_line(tmp_path, capsys):
     tiny_run(tmp_path / "run")
     for argv, message in [([f"ckpt={tmp_path / 'none'}", f"data={FIXTURES}"], "checkpoint not found"),
                           ([f"data={FIXTURES}"], "ckpt= is required"),
-                          ([f"ckpt={tmp_path / 'run'}", f"data={FIXTURES}", "device=tpu"], "error: device: "),
+                          ([f"ckpt={tmp_path / 'run'}", f"data={FIXTURES}", "device=tpu"], "error: device must be auto, cpu, cuda"),
                           ([f"ckpt={tmp_path / 'none'}", f"data={FIXTURES}", "knn_k=0,1"], "must be >= 1")]:
         with pytest.raises(SystemExit) as exit_info:
             glue_command.main(argv)

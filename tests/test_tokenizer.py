@@ -87,8 +87,8 @@ def test_missing_file_is_a_user_error(tmp_path, no_network, monkeypatch):
 
 
 def test_unknown_name():
-    with pytest.raises(UserError, match="unknown tokenizer"):
-        build_tokenizer(TokenizerArgs(name="sentencepiece"))
+    with pytest.raises(UserError, match="'name' must be 'gpt2' or 'bytes'"):
+        TokenizerArgs(name="sentencepiece")
 
 
 MEMBER = b"fake bpe file\n"

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lingua.args import UserError
+from lingua.args import UserError, require
 from lingua.flops import encoder_flops_per_token
 from lingua.transformer import Encoder, TransformerArgs, default_positions, init_weights
 
@@ -22,12 +22,16 @@ class BertArgs:
     mask_ratio: float = 0.2  # the paper's BERT
 
     def __post_init__(self):
-        if not 0 < self.mask_ratio < 1:
-            raise UserError(f"mask_ratio must be strictly between 0 and 1, got {self.mask_ratio}")
+        require(0 < self.mask_ratio < 1, "mask_ratio", f"must be strictly between 0 and 1, got {self.mask_ratio}")
 
 
 def num_masked(mask_ratio: float, seq_len: int) -> int:
-    return round(mask_ratio * seq_len)
+    """round(mask_ratio * seq_len); a ratio that masks no token, or every token, of a row is a UserError."""
+    n = round(mask_ratio * seq_len)
+    if not 0 < n < seq_len:
+        raise UserError(f"mask_ratio {mask_ratio} masks {n} of {seq_len} tokens per sequence; need 0 < masked < "
+                        f"{seq_len}: change model.mask_ratio or data.seq_len")
+    return n
 
 
 def random_positions(batch: int, seq_len: int, generator: torch.Generator, device) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from apps.bert.model import masked_lm_loss, num_masked, random_positions
-from lingua.args import UserError
+from lingua.args import at_least, require
 from lingua.flops import crossbert_flops_per_token_view
 from lingua.transformer import (
     AttnMask,
@@ -46,6 +46,9 @@ class PredictorArgs:
     n_heads: int | None = None
     head_dim: int | None = None
 
+    def __post_init__(self):
+        at_least(self, 1, "n_layers", "dim", "n_heads", "head_dim")
+
 
 @dataclass
 class CrossBertArgs:
@@ -55,8 +58,7 @@ class CrossBertArgs:
     cms: bool = True
 
     def __post_init__(self):
-        if not 0 < self.mask_ratio < 1:
-            raise UserError(f"mask_ratio must be strictly between 0 and 1, got {self.mask_ratio}")
+        require(0 < self.mask_ratio < 1, "mask_ratio", f"must be strictly between 0 and 1, got {self.mask_ratio}")
 
     def predictor_transformer(self) -> TransformerArgs:
         """The predictor's block shapes; norms, RoPE, init and attention backend are the encoder's."""
@@ -114,8 +116,6 @@ class CrossBert(nn.Module):
         """Split each row into masked/visible sets and lay out the encoder and predictor rows (static shapes)."""
         B, S = tokens.shape
         n_masked = num_masked(self.args.mask_ratio, S)
-        if not 0 < n_masked < S:
-            raise UserError(f"mask_ratio {self.args.mask_ratio} masks {n_masked} of {S} tokens; need 0 < M < S")
         perm = random_positions(B, S, generator, tokens.device)
         masked, visible = perm[:, :n_masked].sort(1).values, perm[:, n_masked:].sort(1).values
         if not self.args.cms:

@@ -14,13 +14,13 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import torch
 
 from lingua.args import UserError, load_config
 from lingua.checkpoint import load_model, resolve_checkpoint
+from lingua.distributed import resolve_device
+from lingua.files import atomic_write
 from lingua.glue import FeatureCache, GlueEvalArgs, check_args, evaluate_glue, format_table
 from lingua.metrics import setup_logging
-from lingua.train import resolve_device
 
 
 @dataclass
@@ -55,12 +55,7 @@ def run(args: GlueCommandArgs) -> dict:
         raise UserError("ckpt= is required: a consolidated.pt, a checkpoint folder or a run's dump_dir")
     check_args(args)  # before the (slow) model loading
     checkpoint = resolve_checkpoint(args.ckpt)
-    try:
-        device = resolve_device(args.device)
-    except RuntimeError as e:
-        raise UserError(f"device: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("device=cuda but no GPU is available (device=auto picks one when there is)")
+    device = resolve_device(args.device)
     model, config, tokenizer = load_model(checkpoint, device)
     # default: the length the model was trained on; never past its position table
     max_len = min(args.max_len or config.data.seq_len, config.model.encoder.max_seqlen)
@@ -74,8 +69,7 @@ def run(args: GlueCommandArgs) -> dict:
             f"{name}: {why}" for name, why in results["skipped"].items()))
     path = results_path(args.out, dump_dir, checkpoint)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=1))
+        atomic_write(path, json.dumps(results, indent=1))
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror}") from None
     print(format_table(results))
