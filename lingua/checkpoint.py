@@ -216,14 +216,11 @@ def export_consolidated(model: nn.Module, params: dict, path: str | Path) -> Pat
     weights = get_model_state_dict(model, options=options)
     path = Path(path)
     if rank_and_world()[0] == 0:
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         try:
-            torch.save({**params, "model": weights}, tmp)
-            os.replace(tmp, path)
+            atomic_write(path, lambda file: torch.save({**params, "model": weights}, file))
         except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-            raise UserError(f"cannot write {path}: {short_reason(e)}") from None
-        finally:
-            tmp.unlink(missing_ok=True)
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else short_reason(e)
+            raise UserError(f"cannot write {path}: {reason}") from None
     return path
 
 
@@ -290,7 +287,7 @@ def _load_file(path: Path, device):
     try:
         saved = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # pickle, zip and torch errors of every kind: this is not one of our files
-        raise UserError(f"{path} is not a checkpoint ({short_reason(e)})") from None
+        raise UserError(f"{path} is not a checkpoint (torch.load: {type(e).__name__})") from None
     if not isinstance(saved, dict) or not {"app", "config", "model"} <= saved.keys():
         raise UserError(f"{path} is not a checkpoint of this library (no app, config and model in it)")
     model, config, tokenizer = build_from_params(saved, device)
@@ -321,7 +318,8 @@ def main(argv: list[str]) -> None:
         model, _, _ = load_model(checkpoint)
         print(f"wrote {export_consolidated(model, verify(checkpoint), argv[2])}")
     except UserError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

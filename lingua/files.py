@@ -1,19 +1,37 @@
 """Writing files that survive a kill at any moment: a reader sees the old content or the new, never half a file."""
 
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
+
+PARTIAL_WRITE = re.compile(r"\.tmp\d+$")  # what atomic_write leaves when killed before its rename
 
 
-def atomic_write(path: str | Path, data: str | bytes) -> None:
-    """Writes `data` to a temporary file beside `path`, flushes it to disk, then renames it over `path`."""
+def atomic_write(path: str | Path, data: str | bytes | Callable[[BinaryIO], None]) -> None:
+    """Writes `data` (or what `data(file)` writes) to a temporary file beside `path`, flushes it to disk, then renames
+    it over `path`. A failure leaves `path` as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp.exists():
+            tmp.unlink()
+
+
+def remove_partial_writes(folder: str | Path) -> list[Path]:
+    """Deletes the temporary files of atomic writes whose process was killed; returns them."""
+    partial = [p for p in Path(folder).iterdir() if p.is_file() and PARTIAL_WRITE.search(p.name)]
+    for path in partial:
+        path.unlink()
+    return partial

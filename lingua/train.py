@@ -40,6 +40,7 @@ from lingua.distributed import (
     rank_and_world,
     resolve_device,
 )
+from lingua.files import remove_partial_writes
 from lingua.flops import count_params
 from lingua.glue import GlueEvalArgs, check_args, run_glue_probes
 from lingua.metrics import (
@@ -209,6 +210,8 @@ def _train(app: App, args, dump_dir: Path, device: torch.device) -> dict[str, An
     params = {"app": app.name, "config": to_dict(args)}
     checkpoints = CheckpointManager(dump_dir / "checkpoints", args.checkpoint)
     checkpoints.remove_leftovers()
+    for partial in remove_partial_writes(dump_dir):
+        logger.info(f"removed {partial.name}, left by a process killed while writing it")
     state = resume(checkpoints, model, optimizer, app, args) or {"step": 0, "data": None, "data_tokens": 0}
     if "generator" in state:
         generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -30,6 +31,18 @@ def write_corpus(root: Path, n_docs: int = 300, seed: int = 0) -> Path:
         (source / f"train.{chunk:05d}.jsonl").write_text("\n".join(lines) + "\n")
     (source / "valid.jsonl").write_text("\n".join(json.dumps({"text": doc()}) for _ in range(60)) + "\n")
     return root
+
+
+@pytest.fixture(autouse=True)
+def restore_logging_handlers():
+    """Commands under test attach handlers to the root logger (stdout, a run's train.log): remove them afterwards,
+    so no later test writes to a closed capture stream or another test's file."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    yield
+    for handler in [h for h in root.handlers if h not in before]:
+        root.removeHandler(handler)
+        handler.close()
 
 
 @pytest.fixture

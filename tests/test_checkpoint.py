@@ -1,6 +1,14 @@
-import torch
+import shutil
 
-from lingua.checkpoint import CheckpointArgs, CheckpointManager
+import pytest
+import torch
+from conftest import tiny_argv
+
+from apps.bert.train import APP
+from lingua.args import UserError, load_config
+from lingua.checkpoint import CheckpointArgs, CheckpointManager, load_model
+from lingua.checkpoint import main as checkpoint_main
+from lingua.train import train
 
 
 def _model_and_optimizer(seed):
@@ -33,3 +41,40 @@ def test_incomplete_checkpoint_is_ignored_and_old_ones_pruned(tmp_path):
     (tmp_path / "0000000004.tmp").mkdir()  # a save killed half-way
     assert [p.name for p in manager.complete_checkpoints()] == ["0000000002", "0000000003"]
     assert manager.latest().name == "0000000003"
+
+
+def _export(argv, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        checkpoint_main(["export", *map(str, argv)])
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_export_answers_bad_inputs_in_one_line(corpus, tmp_path, capsys):
+    dump = tmp_path / "run"
+    train(APP, load_config(APP.args_cls, tiny_argv(corpus, dump, steps=2)))
+    checkpoint_main(["export", str(dump), str(tmp_path / "out.pt")])
+    assert load_model(tmp_path / "out.pt")[0] is not None
+    (tmp_path / "junk.bin").write_bytes(b"\x00" * 64)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(dump / "checkpoints" / "0000000002", damaged)
+    (damaged / "__0_0.distcp").write_bytes(b"")
+    (tmp_path / "a_file").write_text("")
+    for argv, message in [
+        ([tmp_path / "junk.bin", tmp_path / "x.pt"], "junk.bin is a file; export takes a checkpoint folder"),
+        ([tmp_path, tmp_path / "x.pt"], "no complete checkpoint, consolidated.pt or params.json found"),
+        ([damaged, tmp_path / "x.pt"], "is damaged: __0_0.distcp has 0 bytes"),
+        ([dump, tmp_path / "a_file" / "x.pt"], "cannot write"),
+    ]:
+        status, err = _export(argv, capsys)
+        assert status == 2 and err.startswith("error: ") and message in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.glob("x.pt*"))
+
+
+def test_load_model_refuses_files_that_are_not_checkpoints(tmp_path):
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    (tmp_path / "text.pt").write_text("hello")
+    with pytest.raises(UserError, match="is not a checkpoint of this library"):
+        load_model(tmp_path / "other.pt")
+    with pytest.raises(UserError, match=r"is not a checkpoint \(torch.load: "):
+        load_model(tmp_path / "text.pt")

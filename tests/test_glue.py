@@ -102,6 +102,19 @@ def test_wrong_file_and_missing_split(tmp_path):
         glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path))
 
 
+def test_non_finite_scores_are_malformed_rows(tmp_path):
+    (tmp_path / "STS-B").mkdir()
+    lines = (FIXTURES / "STS-B" / "train.tsv").read_text().splitlines()
+    for i, bad in ((1, "nan"), (2, "inf"), (3, "-Infinity")):
+        lines[i] = lines[i].rsplit("\t", 1)[0] + "\t" + bad
+    (tmp_path / "STS-B" / "train.tsv").write_text("\n".join(lines) + "\n")
+    split = glue.load_split(glue.TASKS["stsb"], "train", str(tmp_path))
+    assert split.skipped == 3 and len(split.texts) == 13 and torch.isfinite(split.labels).all()
+    rows = [{"sentence1": "a", "sentence2": "b", "label": float("nan")}, {"sentence1": "c", "sentence2": "d", "label": 1.0}]
+    hf = glue.split_from_hf_rows(glue.TASKS["stsb"], rows)
+    assert hf.skipped == 1 and hf.labels.tolist() == [1.0]
+
+
 def _fake_datasets(calls):
     rows = {"validation_matched": [{"premise": "p1", "hypothesis": "h1", "label": 2},
                                    {"premise": "p2", "hypothesis": "h2", "label": -1}],
@@ -178,6 +191,18 @@ def test_evaluate_reuses_cached_features_per_model(tokenizer, tmp_path):
     assert again["summary"]["last"]["linear"] == first["summary"]["last"]["linear"]
     glue.evaluate_glue(model, tokenizer, args, CPU, glue.FeatureCache(tmp_path, "model-a-step-2"))
     assert model.calls > calls  # another checkpoint identity: features recomputed
+
+
+def test_a_torn_cache_file_is_recomputed(tokenizer, tmp_path):
+    model = StandInEncoder()
+    args = _args(tasks=["sst2"], probes=["linear"])
+    first = glue.evaluate_glue(model, tokenizer, args, CPU, glue.FeatureCache(tmp_path, "model-a"))
+    torn = sorted(tmp_path.glob("sst2.train.*.pt"))[0]
+    torn.write_bytes(torn.read_bytes()[:100])  # a crash half-way through writing it
+    calls = model.calls
+    again = glue.evaluate_glue(model, tokenizer, args, CPU, glue.FeatureCache(tmp_path, "model-a"))
+    assert model.calls == calls + 4  # the torn split alone (16 examples, batches of 4) is encoded again
+    assert again["summary"] == first["summary"] and torch.load(torn, weights_only=True).shape[0] == 16
 
 
 def test_training_hook_restores_train_mode_and_returns_flat_metrics(tokenizer):
@@ -265,6 +290,29 @@ def test_command_errors_are_one_line(tmp_path, capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_command_on_files_that_are_not_checkpoints(tmp_path, capsys):
+    (tmp_path / "notes.pt").write_text("not a checkpoint")
+    torch.save(torch.zeros(3), tmp_path / "tensor.pt")
+    damaged = tiny_run(tmp_path / "run", consolidated=False)
+    (damaged / "__0_0.distcp").write_bytes((damaged / "__0_0.distcp").read_bytes()[:1000])
+    for ckpt, message in [(tmp_path / "notes.pt", "is not a checkpoint"), (tmp_path / "tensor.pt", "is not a checkpoint"),
+                          (damaged, "is damaged: __0_0.distcp has 1000 bytes")]:
+        with pytest.raises(SystemExit) as exit_info:
+            glue_command.main([f"ckpt={ckpt}", f"data={FIXTURES}", "tasks=sst2"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_command_with_an_unwritable_output(tmp_path, capsys):
+    tiny_run(tmp_path / "run")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        glue_command.main([f"ckpt={tmp_path / 'run'}", f"data={FIXTURES}", "tasks=sst2", "probes=linear",
+                           f"out={tmp_path / 'file' / 'results.json'}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "cannot write" in err and len(err.strip().splitlines()) == 1
 
 
 REAL_ROWS = {"cola": (8551, 1043), "sst2": (20000, 872), "mrpc": (3668, 408), "stsb": (5749, 1500),

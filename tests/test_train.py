@@ -118,12 +118,6 @@ def test_user_errors_are_one_line(corpus, tmp_path, extra, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_several_processes_are_refused_until_supported(corpus, tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(UserError, match="multi-process"):
-        run(tiny_argv(corpus, tmp_path / "run", steps=2))
-
-
 def test_gradient_accumulation_matches_a_full_batch(corpus, tmp_path):
     """Two micro-batches of 4 rows give the same step as one batch of 8 rows (same rows, same masks)."""
     full = run(tiny_argv(corpus, tmp_path / "full", steps=3))

@@ -1,0 +1,324 @@
+"""Faults a run meets on a real machine or cluster: each ends in one line or an automatic recovery, and nothing that
+was saved is lost. The commands run in-process through `main`, as the command line runs them."""
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_metrics, tiny_argv
+
+from apps.bert.train import APP as BERT
+from apps.crossbert.train import APP as CROSSBERT
+from lingua import checkpoint as checkpoint_module
+from lingua import train as loop
+from lingua.args import load_config
+from lingua.checkpoint import load_model
+from lingua.distributed import RunLock
+from lingua.optim import lr_at
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_main(argv, capsys, app=BERT) -> tuple[int, str]:
+    """Exit status and stderr of the training command."""
+    try:
+        loop.main(app, argv)
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err
+
+
+def assert_one_line(err: str, message: str) -> None:
+    assert err.startswith("error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def checkpoint_names(dump: Path) -> list[str]:
+    return sorted(p.name for p in (dump / "checkpoints").iterdir())
+
+
+def test_a_diverging_run_keeps_only_finite_checkpoints(corpus, tmp_path, capsys):
+    """Checkpoints every 5 steps, a log line every 40: the run diverges between two checkpoints, long before a log."""
+    dump = tmp_path / "run"
+    argv = tiny_argv(corpus, dump, steps=40) + ["logging.freq=40", "checkpoint.every=5", "checkpoint.keep=3",
+                                                 "optim.lr=300", "optim.warmup=40", "optim.clip=0"]
+    status, err = run_main(argv, capsys)
+    assert status == loop.EXIT_DIVERGED
+    assert_one_line(err, "the loss or gradient norm is not finite at step ")
+    bad_step = int(err.split("at step ")[1].split(":")[0])
+    kept = checkpoint_names(dump)
+    assert kept and all(int(name) < bad_step for name in kept), (kept, bad_step)
+    assert f"the newest checkpoint, {kept[-1]}, is finite" in err
+    for name in kept:
+        model, _, _ = load_model(dump / "checkpoints" / name)
+        assert all(torch.isfinite(p).all() for p in model.parameters()), name
+    assert not (dump / "consolidated.pt").exists()
+
+
+def test_a_second_trainer_on_a_live_dump_dir_is_refused(corpus, tmp_path, capsys):
+    dump = tmp_path / "run"
+    dump.mkdir()
+    with RunLock(dump):  # a live run: a thread, process or node holding the dump_dir
+        status, err = run_main(tiny_argv(corpus, dump, steps=2), capsys)
+    assert status == 2
+    assert_one_line(err, "is in use by a running training (pid")
+    assert sorted(p.name for p in dump.iterdir()) == [".lock"]  # the refused start wrote nothing
+
+
+def test_a_killed_trainer_leaves_no_stuck_lock(corpus, tmp_path, capsys):
+    dump = tmp_path / "run"
+    argv = tiny_argv(corpus, dump, steps=100_000) + ["checkpoint.every=5"]
+    proc = subprocess.Popen([sys.executable, "-m", "apps.bert.train", *argv], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not list((dump / "checkpoints").glob("0*")):
+            time.sleep(0.2)
+        status, err = run_main(tiny_argv(corpus, dump, steps=100_000), capsys)
+        assert status == 2 and f"pid {proc.pid}" in err
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    resumed_at = int(checkpoint_names(dump)[-1])
+    status, _ = run_main(tiny_argv(corpus, dump, steps=resumed_at + 2) + ["checkpoint.every=5"], capsys)
+    assert status == 0 and max(read_metrics(dump)) == resumed_at + 2
+
+
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "SLURM_NTASKS"])
+def test_several_processes_are_refused_until_supported(corpus, tmp_path, capsys, monkeypatch, variable):
+    monkeypatch.setenv(variable, "2")
+    status, err = run_main(tiny_argv(corpus, tmp_path / "run", steps=2), capsys)
+    assert status == 2
+    assert_one_line(err, f"multi-process training (torchrun, SLURM tasks) is not supported yet: {variable}=2")
+
+
+def test_extending_a_finished_run_follows_the_schedule_of_its_new_length(corpus, tmp_path, capsys):
+    dump = tmp_path / "run"
+    assert run_main(tiny_argv(corpus, dump, steps=20), capsys)[0] == 0
+    first = read_metrics(dump)
+    assert run_main(tiny_argv(corpus, dump, steps=40), capsys)[0] == 0
+    logged, optim = read_metrics(dump), load_config(BERT.args_cls, tiny_argv(corpus, dump, 40)).optim
+    assert [logged[s]["loss"] for s in range(1, 21)] == [first[s]["loss"] for s in range(1, 21)]
+    assert [logged[s]["lr"] for s in range(21, 41)] == pytest.approx([lr_at(s, optim, 40) for s in range(20, 40)])
+    log = (dump / "train.log").read_text()
+    assert "resuming with changed settings: steps 20 -> 40" in log
+    assert f"the learning-rate schedule is now that of a 40-step run: step 21 uses lr {lr_at(20, optim, 40):.3g}" in log
+
+
+def test_resuming_with_another_model_refuses_before_writing(corpus, tmp_path, capsys):
+    dump = tmp_path / "run"
+    assert run_main(tiny_argv(corpus, dump, steps=10), capsys)[0] == 0
+    before = {p.name: p.read_bytes() for p in dump.iterdir() if p.is_file() and p.name != "train.log"}
+    status, err = run_main(tiny_argv(corpus, dump, steps=20) + ["model.encoder.dim=64"], capsys)
+    assert status == 2
+    assert_one_line(err, "holds a model of another shape (model.encoder.dim 32 -> 64)")
+    status, err = run_main(tiny_argv(corpus, dump, steps=20), capsys, app=CROSSBERT)
+    assert status == 2
+    assert_one_line(err, "holds a run of apps.bert.train, not apps.crossbert.train")
+    assert {p.name: p.read_bytes() for p in dump.iterdir() if p.is_file() and p.name != "train.log"} == before
+    assert checkpoint_names(dump) == ["0000000010"]
+
+
+DAMAGE = [(name, how) for name in ("__0_0.distcp", ".metadata", "params.json", "train_state_00000.json",
+                                   "manifest.json") for how in ("missing", "truncated")]
+
+
+@pytest.mark.parametrize("name, how", DAMAGE)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(corpus, tmp_path, capsys, name, how):
+    full, damaged = tmp_path / "full", tmp_path / "damaged"
+    run_main(tiny_argv(corpus, full, steps=20), capsys)
+    shutil.copytree(full, damaged)
+    (damaged / "consolidated.pt").unlink()
+    file = damaged / "checkpoints" / "0000000020" / name
+    if how == "missing":
+        file.unlink()
+    else:
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    status, _ = run_main(tiny_argv(corpus, damaged, steps=20), capsys)
+    assert status == 0
+    log = (damaged / "train.log").read_text()
+    if (name, how) == ("manifest.json", "missing"):  # a checkpoint of an older version: it loads as it is
+        assert "resumed from" in log and "0000000020" in log.split("resumed from")[-1].splitlines()[0]
+        return
+    assert f"checkpoint 0000000020 is damaged ({name}" in log
+    assert checkpoint_names(damaged) == ["0000000010", "0000000020", "0000000020.damaged"]
+    reference, continued = read_metrics(full), read_metrics(damaged)
+    assert [continued[s]["loss"] for s in range(11, 21)] == [reference[s]["loss"] for s in range(11, 21)]
+
+
+def test_when_no_checkpoint_loads_the_run_is_not_restarted_from_scratch(corpus, tmp_path, capsys):
+    dump = tmp_path / "run"
+    run_main(tiny_argv(corpus, dump, steps=10), capsys)
+    (dump / "checkpoints" / "0000000010" / ".metadata").unlink()
+    metrics = (dump / "metrics.jsonl").read_bytes()
+    for _ in range(2):  # the second start finds only the set-aside checkpoint, and still refuses
+        status, err = run_main(tiny_argv(corpus, dump, steps=10), capsys)
+        assert status == 2
+        assert_one_line(err, "loads (the damaged ones are kept as *.damaged)")
+    assert (dump / "metrics.jsonl").read_bytes() == metrics
+    assert checkpoint_names(dump) == ["0000000010.damaged"]
+
+
+def test_a_kill_during_the_metrics_rewrite_loses_nothing(corpus, tmp_path, capsys, monkeypatch):
+    """On resume metrics.jsonl is rewritten without the lines past the checkpoint: a kill just before the rename
+    leaves the old file whole, and the next start removes what the killed one left."""
+    dump = tmp_path / "run"
+    run_main(tiny_argv(corpus, dump, steps=20), capsys)
+    shutil.rmtree(dump / "checkpoints" / "0000000020")
+    before = (dump / "metrics.jsonl").read_bytes()
+
+    def killed(*args):
+        raise KeyboardInterrupt  # what SIGINT does outside the loop; a SIGKILL here would leave the temporary file
+
+    monkeypatch.setattr("lingua.files.os.replace", killed)
+    status, _ = run_main(tiny_argv(corpus, dump, steps=20), capsys)
+    assert status == 130 and (dump / "metrics.jsonl").read_bytes() == before
+    monkeypatch.undo()
+    (dump / "metrics.jsonl.tmp4242").write_text('{"step": 1')  # left by a SIGKILL mid-write
+    (dump / "checkpoints" / "0000000015.tmp").mkdir()  # a save killed half-way
+    (dump / "checkpoints" / "0000000005.deleting").mkdir()  # a prune killed half-way
+    assert run_main(tiny_argv(corpus, dump, steps=20), capsys)[0] == 0
+    assert sorted(read_metrics(dump)) == list(range(1, 21))
+    assert not list(dump.glob("*.tmp*")) and checkpoint_names(dump) == ["0000000010", "0000000020"]
+
+
+BAD_KNOBS = [
+    (["steps=0"], "config key 'steps' must be >= 1, got 0"),
+    (["steps=-3"], "config key 'steps' must be >= 1"),
+    (["logging.freq=0"], "config key 'logging.freq' must be >= 1"),
+    (["logging.peak_tflops=0"], "config key 'logging.peak_tflops' must be > 0"),
+    (["checkpoint.every=0"], "config key 'checkpoint.every' must be >= 1"),
+    (["checkpoint.keep=-1"], "config key 'checkpoint.keep' must be >= 0"),
+    (["grad_acc_steps=0"], "config key 'grad_acc_steps' must be >= 1"),
+    (["validation.every=-1"], "config key 'validation.every' must be >= 0"),
+    (["validation.n_sequences=0"], "config key 'validation.n_sequences' must be >= 1"),
+    (["validation.batch_size=0"], "config key 'validation.batch_size' must be >= 1"),
+    (["eval.every=-1"], "config key 'eval.every' must be >= 0"),
+    (["model.encoder.n_layers=0"], "config key 'model.encoder.n_layers' must be >= 1"),
+    (["model.encoder.n_heads=0"], "config key 'model.encoder.n_heads' must be >= 1"),
+    (["model.encoder.dim=-8"], "config key 'model.encoder.dim' must be >= 1"),
+    (["model.encoder.head_dim=0"], "config key 'model.encoder.head_dim' must be >= 1"),
+    (["model.encoder.attn_backend=flash"], "config key 'model.encoder.attn_backend' must be one of sdpa"),
+    (["data.seq_len=0"], "config key 'data.seq_len' must be >= 1"),
+    (["data.batch_size=0"], "config key 'data.batch_size' must be >= 1"),
+    (["data.prefetch=-1"], "config key 'data.prefetch' must be >= 0"),
+    (["data.sources.tiny=-1"], "config key 'data.sources' weights must be >= 0"),
+    (["data.tokenizer.name=sentencepiece"], "config key 'data.tokenizer.name' must be 'gpt2' or 'bytes'"),
+    (["optim.lr=0"], "config key 'optim.lr' must be > 0"),
+    (["optim.lr_min=1"], "config key 'optim.lr_min' must be between 0 and lr"),
+    (["optim.warmup=-1"], "config key 'optim.warmup' must be >= 0"),
+    (["optim.beta2=1"], "config key 'optim.beta2' must be in [0, 1)"),
+    (["optim.clip=-1"], "config key 'optim.clip' must be >= 0"),
+    (["model.mask_ratio=0"], "config key 'model.mask_ratio' must be strictly between 0 and 1"),
+    (["model.mask_ratio=0.01"], "mask_ratio 0.01 masks 0 of 32 tokens per sequence"),
+    (["device=tpu"], "device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (["dump_dir="], "config key 'dump_dir' is empty"),
+    (["steps=ten"], "config key 'steps' expects an integer"),
+]
+if not torch.cuda.is_available():
+    BAD_KNOBS.append((["device=cuda"], "device=cuda but no GPU is available"))
+
+
+@pytest.mark.parametrize("extra, message", BAD_KNOBS, ids=[" ".join(extra) for extra, _ in BAD_KNOBS])
+def test_bad_knobs_are_one_line_errors(corpus, tmp_path, capsys, extra, message):
+    dump = tmp_path / "run"
+    status, err = run_main(tiny_argv(corpus, dump, steps=2) + extra, capsys)
+    assert status == 2
+    assert_one_line(err, message)
+    assert not (dump / "config.yaml").exists() and not (dump / "metrics.jsonl").exists()
+
+
+def test_bad_crossbert_knobs_are_one_line_errors(corpus, tmp_path, capsys):
+    status, err = run_main(tiny_argv(corpus, tmp_path / "run", 2) + ["model.predictor.n_layers=0"], capsys, CROSSBERT)
+    assert status == 2
+    assert_one_line(err, "config key 'model.predictor.n_layers' must be >= 1")
+
+
+def test_bad_config_files_are_one_line_errors(corpus, tmp_path, capsys):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("steps: 2\noptim:\n  lr: [1e-3\n")
+    for path, message in [(tmp_path, "is a folder, not a YAML file"),
+                          (broken, "is not valid YAML: expected ',' or ']', but got '<stream end>' at line 4, column 1")]:
+        status, err = run_main([f"config={path}"] + tiny_argv(corpus, tmp_path / "run", 2), capsys)
+        assert status == 2
+        assert_one_line(err, message)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_with_the_stop_status(corpus, tmp_path, capsys, monkeypatch):
+    dump = tmp_path / "run"
+    original, calls = loop.clip_gradients, []
+
+    def clip_then_interrupt(model, max_norm):  # Ctrl-C during step 3
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(model, max_norm)
+
+    monkeypatch.setattr(loop, "clip_gradients", clip_then_interrupt)
+    status, _ = run_main(tiny_argv(corpus, dump, steps=40), capsys)
+    assert status == loop.EXIT_STOPPED
+    assert checkpoint_names(dump) == ["0000000003"]
+    assert "received SIGINT: saving a checkpoint and stopping" in (dump / "train.log").read_text()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    monkeypatch.undo()
+    assert run_main(tiny_argv(corpus, dump, steps=6), capsys)[0] == 0
+    assert sorted(read_metrics(dump)) == list(range(1, 7))
+
+
+def test_a_failed_save_says_why_and_keeps_the_previous_checkpoint(corpus, tmp_path, capsys, monkeypatch):
+    """DCP reports a full disk as a torn zip record (RuntimeError), not ENOSPC: simulated here as it comes."""
+    dump = tmp_path / "run"
+    run_main(tiny_argv(corpus, dump, steps=10), capsys)
+    original = checkpoint_module.dcp.save
+
+    def save_on_a_full_disk(state, checkpoint_id):
+        original(state, checkpoint_id=checkpoint_id)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(checkpoint_module.dcp, "save", save_on_a_full_disk)
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    status, err = run_main(tiny_argv(corpus, dump, steps=20), capsys)
+    assert status == 2
+    assert_one_line(err, "could not save checkpoint")
+    assert "0000000020: the disk is full (0 bytes free); the previous checkpoint is kept" in err
+    assert checkpoint_names(dump) == ["0000000010"]
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_really_full_disk(corpus, tmp_path, capsys):
+    """Where a small tmpfs can be mounted (root with the capability), a real disk fills up during the second save."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "1500k"):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        dump = disk / "run"
+        status, err = run_main(tiny_argv(corpus, dump, steps=20) + ["checkpoint.every=5"], capsys)
+        assert status == 2
+        assert_one_line(err, "0000000010: the disk is full")
+        assert checkpoint_names(dump) == ["0000000005"]
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # lazy: this process's train.log is still open
+
+
+def test_non_finite_guard_reads_the_device_only_when_asked(tmp_path):
+    guard = loop.NonFiniteGuard(torch.device("cpu"))
+    guard.update(1, torch.tensor(2.0), torch.tensor(1.0))
+    guard.update(2, torch.tensor(math.nan), torch.tensor(1.0))
+    guard.update(3, torch.tensor(1.0), torch.tensor(math.inf))
+    checkpoints = loop.CheckpointManager(tmp_path, loop.CheckpointArgs())
+    with pytest.raises(loop.Diverged, match="at step 2: .*no checkpoint was saved"):
+        guard.check(checkpoints)
