@@ -166,17 +166,18 @@ class NonFiniteGuard:
     """Remembers, on the device, the first step whose loss or gradient norm was not finite. Reading it is a host sync,
     so the loop reads it only where it syncs anyway: before a log line, an evaluation and a checkpoint."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, checkpoints: CheckpointManager):
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
+        self.checkpoints = checkpoints  # named in the message: the newest one is finite
 
     def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         self.first_bad_step = torch.where(bad & (self.first_bad_step == 0), step, self.first_bad_step)
 
-    def check(self, checkpoints: CheckpointManager) -> None:
+    def check(self) -> None:
         step = int(self.first_bad_step)
         if step:
-            latest = checkpoints.latest()
+            latest = self.checkpoints.latest()
             kept = f"the newest checkpoint, {latest.name}, is finite" if latest else "no checkpoint was saved"
             raise Diverged(f"the loss or gradient norm is not finite at step {step}: the run stops without saving "
                            f"({kept}); lower optim.lr or raise optim.warmup, then run again")
@@ -229,7 +230,7 @@ def _train(app: App, args, dump_dir: Path, device: torch.device) -> dict[str, An
     step, first_loss, last = state["step"], None, {}
     if step >= args.steps:
         logger.info(f"{dump_dir} already holds a finished run of {step} steps: nothing to train")
-    window, guard = Window(), NonFiniteGuard(device)
+    window, guard = Window(), NonFiniteGuard(device, checkpoints)
     start = time.perf_counter()
     with (
         build_train_loader(args.data, tokenizer, rank, world_size, state["data"]) as loader,
@@ -251,7 +252,7 @@ def _train(app: App, args, dump_dir: Path, device: torch.device) -> dict[str, An
             window.add(loss=loss, accuracy=accuracy, grad_norm=grad_norm)
 
             if step % args.logging.freq == 0 or step == args.steps:
-                guard.check(checkpoints)
+                guard.check()
                 last = {"step": step, **window.means(), "lr": lr, **throughput.report(),
                         "data_tokens": state["data_tokens"],
                         "compute_flops": state["data_tokens"] * model.views_per_sequence * throughput.flops_per_view,
@@ -261,9 +262,9 @@ def _train(app: App, args, dump_dir: Path, device: torch.device) -> dict[str, An
                 logger.info(format_progress(last, args.steps))
             pause = time.perf_counter()
             if not stop.requested:  # on a stop signal, save at once: the job may have little time left
-                evaluate(step, model, tokenizer, val_tokens, args, device, metrics, rank, lambda: guard.check(checkpoints))
+                evaluate(step, model, tokenizer, val_tokens, args, device, metrics, rank, guard.check)
             if step % args.checkpoint.every == 0 or step == args.steps or stop.requested:
-                guard.check(checkpoints)  # a non-finite state never becomes a checkpoint nor prunes a good one
+                guard.check()  # a non-finite state never becomes a checkpoint nor prunes a good one
                 state.update(step=step, data=loader.state_dict(), generator=generator.get_state().tolist())
                 checkpoints.save(step, model, optimizer, state, params)
             throughput.exclude(time.perf_counter() - pause)
@@ -323,7 +324,8 @@ def check_same_model(path: Path, saved: dict, shapes: dict, model, app: App, arg
 def report_changes(old_config: dict, args, step: int) -> None:
     changes = config_changes(old_config, to_dict(args))
     if changes:
-        logger.warning("resuming with changed settings: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()))
+        listed = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changes.items())
+        logger.warning(f"resuming with changed settings: {listed}")
     if "steps" in changes and step < args.steps:
         logger.warning(f"the learning-rate schedule is now that of a {args.steps}-step run: step {step + 1} uses lr "
                        f"{lr_at(step, args.optim, args.steps):.3g} (warm-up {args.optim.warmup} steps, cosine to "

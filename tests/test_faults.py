@@ -79,16 +79,17 @@ def test_a_killed_trainer_leaves_no_stuck_lock(corpus, tmp_path, capsys):
     proc = subprocess.Popen([sys.executable, "-m", "apps.bert.train", *argv], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
+    checkpoints = loop.CheckpointManager(dump / "checkpoints", loop.CheckpointArgs())
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and not list((dump / "checkpoints").glob("0*")):
+        while time.time() < deadline and checkpoints.latest() is None:
             time.sleep(0.2)
         status, err = run_main(tiny_argv(corpus, dump, steps=100_000), capsys)
         assert status == 2 and f"pid {proc.pid}" in err
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    resumed_at = int(checkpoint_names(dump)[-1])
+    resumed_at = int(checkpoints.latest().name)
     status, _ = run_main(tiny_argv(corpus, dump, steps=resumed_at + 2) + ["checkpoint.every=5"], capsys)
     assert status == 0 and max(read_metrics(dump)) == resumed_at + 2
 
@@ -246,8 +247,10 @@ def test_bad_crossbert_knobs_are_one_line_errors(corpus, tmp_path, capsys):
 def test_bad_config_files_are_one_line_errors(corpus, tmp_path, capsys):
     broken = tmp_path / "broken.yaml"
     broken.write_text("steps: 2\noptim:\n  lr: [1e-3\n")
-    for path, message in [(tmp_path, "is a folder, not a YAML file"),
-                          (broken, "is not valid YAML: expected ',' or ']', but got '<stream end>' at line 4, column 1")]:
+    for path, message in [
+        (tmp_path, "is a folder, not a YAML file"),
+        (broken, "is not valid YAML: expected ',' or ']', but got '<stream end>' at line 4, column 1"),
+    ]:
         status, err = run_main([f"config={path}"] + tiny_argv(corpus, tmp_path / "run", 2), capsys)
         assert status == 2
         assert_one_line(err, message)
@@ -315,10 +318,9 @@ def test_a_really_full_disk(corpus, tmp_path, capsys):
 
 
 def test_non_finite_guard_reads_the_device_only_when_asked(tmp_path):
-    guard = loop.NonFiniteGuard(torch.device("cpu"))
+    guard = loop.NonFiniteGuard(torch.device("cpu"), loop.CheckpointManager(tmp_path, loop.CheckpointArgs()))
     guard.update(1, torch.tensor(2.0), torch.tensor(1.0))
     guard.update(2, torch.tensor(math.nan), torch.tensor(1.0))
     guard.update(3, torch.tensor(1.0), torch.tensor(math.inf))
-    checkpoints = loop.CheckpointManager(tmp_path, loop.CheckpointArgs())
     with pytest.raises(loop.Diverged, match="at step 2: .*no checkpoint was saved"):
-        guard.check(checkpoints)
+        guard.check()

@@ -110,7 +110,8 @@ def test_non_finite_scores_are_malformed_rows(tmp_path):
     (tmp_path / "STS-B" / "train.tsv").write_text("\n".join(lines) + "\n")
     split = glue.load_split(glue.TASKS["stsb"], "train", str(tmp_path))
     assert split.skipped == 3 and len(split.texts) == 13 and torch.isfinite(split.labels).all()
-    rows = [{"sentence1": "a", "sentence2": "b", "label": float("nan")}, {"sentence1": "c", "sentence2": "d", "label": 1.0}]
+    rows = [{"sentence1": "a", "sentence2": "b", "label": float("nan")},
+            {"sentence1": "c", "sentence2": "d", "label": 1.0}]
     hf = glue.split_from_hf_rows(glue.TASKS["stsb"], rows)
     assert hf.skipped == 1 and hf.labels.tolist() == [1.0]
 
@@ -283,7 +284,7 @@ def test_command_errors_are_one_line(tmp_path, capsys):
     tiny_run(tmp_path / "run")
     for argv, message in [([f"ckpt={tmp_path / 'none'}", f"data={FIXTURES}"], "checkpoint not found"),
                           ([f"data={FIXTURES}"], "ckpt= is required"),
-                          ([f"ckpt={tmp_path / 'run'}", f"data={FIXTURES}", "device=tpu"], "error: device must be auto, cpu, cuda"),
+                          ([f"ckpt={tmp_path / 'run'}", f"data={FIXTURES}", "device=tpu"], "device must be auto, cpu"),
                           ([f"ckpt={tmp_path / 'none'}", f"data={FIXTURES}", "knn_k=0,1"], "must be >= 1")]:
         with pytest.raises(SystemExit) as exit_info:
             glue_command.main(argv)
@@ -297,7 +298,8 @@ def test_command_on_files_that_are_not_checkpoints(tmp_path, capsys):
     torch.save(torch.zeros(3), tmp_path / "tensor.pt")
     damaged = tiny_run(tmp_path / "run", consolidated=False)
     (damaged / "__0_0.distcp").write_bytes((damaged / "__0_0.distcp").read_bytes()[:1000])
-    for ckpt, message in [(tmp_path / "notes.pt", "is not a checkpoint"), (tmp_path / "tensor.pt", "is not a checkpoint"),
+    for ckpt, message in [(tmp_path / "notes.pt", "is not a checkpoint"),
+                          (tmp_path / "tensor.pt", "is not a checkpoint"),
                           (damaged, "is damaged: __0_0.distcp has 1000 bytes")]:
         with pytest.raises(SystemExit) as exit_info:
             glue_command.main([f"ckpt={ckpt}", f"data={FIXTURES}", "tasks=sst2"])
