@@ -111,6 +111,8 @@ class RunLock:
             file.close()
             raise UserError(f"{self.path.parent} is in use by a running training ({holder}); "
                             "wait for it to end or use another dump_dir") from None
+        except OSError as e:  # a file system without flock (ENOLCK, EOPNOTSUPP): train, but unguarded
+            logger.warning(f"cannot lock {self.path} ({e.strerror}): nothing stops a second run in this dump_dir")
         file.truncate(0)
         file.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
         file.flush()
