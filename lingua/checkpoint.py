@@ -37,11 +37,12 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
 from lingua.args import UserError, at_least, from_dict
-from lingua.distributed import barrier, rank_and_world
+from lingua.distributed import barrier, build_model, rank_and_world
 from lingua.files import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -136,13 +137,11 @@ class CheckpointManager:
         barrier()
 
     def set_aside(self, path: Path) -> Path:
-        """Renames a damaged checkpoint so it is never loaded, counted or pruned again; its files stay."""
+        """Renames a damaged checkpoint so it is never loaded, counted or pruned again; its files stay. Rank 0 only."""
         target, n = path.with_name(path.name + ".damaged"), 1
         while target.exists():
             target, n = path.with_name(f"{path.name}.damaged-{n}"), n + 1
-        if rank_and_world()[0] == 0:
-            os.replace(path, target)
-        barrier()
+        os.replace(path, target)
         return target
 
     def save(self, step: int, model: nn.Module, optimizer, train_state: dict, params: dict) -> Path:
@@ -183,13 +182,9 @@ class CheckpointManager:
             return f"the disk is full ({free:,} bytes free)"
         return short_reason(error)
 
-    def load(self, path: Path, model: nn.Module, optimizer) -> dict:
-        """Loads model and optimizer in place; returns this rank's train state. DamagedCheckpoint if it cannot."""
-        rank, _ = rank_and_world()
-        verify(path)
-        state_file = path / f"train_state_{rank:05d}.json"
-        if not state_file.exists():
-            raise UserError(f"{state_file} is missing: resume with the world size the checkpoint was saved with")
+    def load(self, path: Path, model: nn.Module, optimizer) -> list[dict]:
+        """Loads model and optimizer in place (on any world size: DCP reshards); returns the train state of every
+        rank that saved it. DamagedCheckpoint if it cannot. Called by every rank."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         try:
@@ -198,8 +193,7 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:
             raise DamagedCheckpoint(short_reason(e)) from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        logger.info(f"resumed from {path}")
-        return _read_json(state_file)
+        return [_read_json(file) for file in sorted(path.glob("train_state_*.json"))]
 
     def _prune(self) -> None:
         for old in self.complete_checkpoints()[: -self.args.keep] if self.args.keep > 0 else []:
@@ -234,12 +228,7 @@ def build_from_params(params: dict, device: str | torch.device = "cpu"):
         raise UserError(f"the checkpoint's app {params['app']!r} cannot be imported ({short_reason(e)})") from None
     config = from_dict(app.args_cls, params["config"])
     tokenizer = build_tokenizer(config.data.tokenizer)
-    with torch.device("meta"):
-        model = app.build_model(config.model, tokenizer)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()
-    return model, config, tokenizer
+    return build_model(app.build_model, config.model, tokenizer, torch.device(device)), config, tokenizer
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -297,8 +286,9 @@ def _load_file(path: Path, device):
 
 
 def shape_mismatches(saved: dict[str, tuple[int, ...]], model: nn.Module) -> list[str]:
-    """Parameter names whose saved shape differs from the model's, or that only one side has."""
-    expected = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    """Parameter names whose saved shape differs from the model's, or that only one side has (global shapes of a
+    sharded model; no communication)."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     return sorted(k for k in saved.keys() | expected.keys() if saved.get(k) != expected.get(k))
 
 
@@ -306,6 +296,37 @@ def _check_shapes(path: Path, saved: dict[str, tuple[int, ...]], model: nn.Modul
     mismatched = shape_mismatches(saved, model)
     if mismatched:  # the model was rebuilt from the checkpoint's own config: its files do not match it
         raise DamagedCheckpoint(f"its tensors do not match its config (first: {mismatched[0]})")
+
+
+def load_weights(path: str | Path, model: nn.Module) -> None:
+    """The model weights of any checkpoint `resolve_checkpoint` accepts, into `model` as it is (sharded, compiled):
+    no optimizer state, no step. Every rank calls it."""
+    path = resolve_checkpoint(path)
+    try:
+        if path.is_dir():
+            verify(path)
+            _check_init_shapes(path, saved_shapes(path), model)
+            state = {"model": get_model_state_dict(model)}
+            with _dcp_quietly():
+                dcp.load(state, checkpoint_id=str(path))
+            set_model_state_dict(model, state["model"])
+            return
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except DamagedCheckpoint as e:
+        raise UserError(f"init_from: checkpoint {path} is damaged: {e}") from None
+    except (Exception, CheckpointException) as e:
+        raise UserError(f"init_from: cannot load {path} ({short_reason(e)})") from None
+    if not isinstance(saved, dict) or "model" not in saved:
+        raise UserError(f"init_from: {path} is not a checkpoint of this library")
+    _check_init_shapes(path, {k: tuple(v.shape) for k, v in saved["model"].items()}, model)
+    set_model_state_dict(model, saved["model"], options=StateDictOptions(full_state_dict=True))
+
+
+def _check_init_shapes(path: Path, saved: dict, model: nn.Module) -> None:
+    mismatched = shape_mismatches(saved, model)
+    if mismatched:
+        raise UserError(f"init_from: {path} holds a model of another shape (first: {mismatched[0]} "
+                        f"{saved.get(mismatched[0])} vs {tuple(model.state_dict()[mismatched[0]].shape) if mismatched[0] in model.state_dict() else None})")
 
 
 def main(argv: list[str]) -> None:

@@ -90,27 +90,39 @@ class _Tokens:
         return None
 
 
+def _rank_segments(files: list[str], sizes: list[int], rank: int, world_size: int) -> list[list]:
+    """[path, start, end, 0]: rank `rank` of `world_size` reads the lines of path that start in [start, end)."""
+    total = sum(sizes)
+    lo, hi = rank * total // world_size, (rank + 1) * total // world_size
+    segments, file_start = [], 0
+    for path, size in zip(files, sizes):
+        start, end = max(lo - file_start, 0), min(hi - file_start, size)
+        if start < end and (start := _line_start_at_or_after(path, start)) < end:
+            segments.append([path, start, end, 0])
+        file_start += size
+    return segments
+
+
 class _SourceStream:
-    """One rank's share of one source: an endless stream of tokens, epoch after epoch."""
+    """One rank's share of one source: an endless stream of tokens, epoch after epoch.
+
+    A segment is [path, start, end, skip]: the lines starting in [start, end) of path, the first `skip` tokens of its
+    first document already used. Every epoch reads the rank's own byte range, except an epoch resumed on another
+    number of ranks, which reads the segments it was handed (`repartition`)."""
 
     def __init__(self, name: str, files: list[str], rank: int, world_size: int, tokenizer):
         self.name, self.rank = name, rank
         sizes = [os.path.getsize(f) for f in files]
         self.total_bytes = sum(sizes)
-        lo, hi = rank * self.total_bytes // world_size, (rank + 1) * self.total_bytes // world_size
-        self.segments = []  # (path, start, end): this rank reads the lines of path that start in [start, end)
-        file_start = 0
-        for path, size in zip(files, sizes):
-            start, end = max(lo - file_start, 0), min(hi - file_start, size)
-            if start < end and (start := _line_start_at_or_after(path, start)) < end:
-                self.segments.append((path, start, end))
-            file_start += size
-        if not self.segments:
+        self.own_segments = _rank_segments(files, sizes, rank, world_size)
+        if not self.own_segments:
             raise UserError(f"data source '{name}' is too small to give rank {rank} of {world_size} any line")
+        self.segments = self.own_segments  # this epoch's
         self.tokens = _Tokens(tokenizer)
         self.epoch, self.seg, self.pos = 0, 0, self.segments[0][1]  # next line to read
         self.doc: list[int] = []  # current document (with eos) and how much of it is already handed out
         self.doc_seg, self.doc_pos, self.doc_off = 0, 0, 0
+        self.skip = 0  # tokens of the next document already used in an earlier run
         self.file = None
         self.wraps_without_doc = 0
 
@@ -118,7 +130,7 @@ class _SourceStream:
         out: list[int] = []
         while len(out) < n:
             if self.doc_off == len(self.doc):
-                self.doc, self.doc_off = self._next_doc(), 0
+                self.doc, self.doc_off, self.skip = self._next_doc(), self.skip, 0
             k = min(n - len(out), len(self.doc) - self.doc_off)
             out += self.doc[self.doc_off : self.doc_off + k]
             self.doc_off += k
@@ -126,7 +138,7 @@ class _SourceStream:
 
     def _next_doc(self) -> list[int]:
         while True:
-            path, _, end = self.segments[self.seg]
+            path, _, end, _ = self.segments[self.seg]
             if self.pos >= end:
                 self._next_segment()
                 continue
@@ -144,13 +156,13 @@ class _SourceStream:
     def _next_segment(self) -> None:
         self.close()
         self.seg += 1
-        if self.seg == len(self.segments):
+        if self.seg >= len(self.segments):
             self.wraps_without_doc += 1
             if self.wraps_without_doc > 1:  # a whole epoch passed without one valid document
                 raise UserError(f"data source '{self.name}' has no valid document in rank {self.rank}'s share")
-            self.epoch, self.seg = self.epoch + 1, 0
+            self.epoch, self.seg, self.segments = self.epoch + 1, 0, self.own_segments
             logger.info(f"data source '{self.name}': rank {self.rank} starts epoch {self.epoch}")
-        self.pos = self.segments[self.seg][1]
+        self.pos, self.skip = self.segments[self.seg][1], self.segments[self.seg][3]
 
     def close(self) -> None:
         if self.file is not None:
@@ -160,17 +172,24 @@ class _SourceStream:
     def state_dict(self) -> dict[str, Any]:
         partial = self.doc_off < len(self.doc)  # the carry-over buffer is the rest of this document
         seg, pos = (self.doc_seg, self.doc_pos) if partial else (self.seg, self.pos)
-        return {"epoch": self.epoch, "segment": seg, "byte": pos, "token": self.doc_off if partial else 0,
-                "malformed_lines": self.tokens.malformed, "total_bytes": self.total_bytes}
+        state = {"epoch": self.epoch, "segment": seg, "byte": pos, "token": self.doc_off if partial else self.skip,
+                 "malformed_lines": self.tokens.malformed, "total_bytes": self.total_bytes}
+        if self.segments is not self.own_segments:
+            state["segments"] = self.segments
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["total_bytes"] != self.total_bytes:
             raise UserError(f"data source '{self.name}' changed since the loader state was saved "
                             f"({state['total_bytes']} bytes then, {self.total_bytes} now)")
         self.close()
+        self.segments = state.get("segments", self.own_segments)
         self.epoch, self.seg, self.pos = state["epoch"], state["segment"], state["byte"]
-        self.doc, self.doc_off = [], 0
-        if state["token"]:
+        self.doc, self.doc_off, self.skip = [], 0, 0
+        if self.seg >= len(self.segments):  # handed nothing of the resumed epoch: start the next one
+            self.seg = len(self.segments) - 1
+            self._next_segment()
+        elif state["token"]:
             self.doc, self.doc_off = self._next_doc(), state["token"]
         self.tokens.malformed = state["malformed_lines"]
 
@@ -288,6 +307,61 @@ class TrainLoader:
 def build_train_loader(args: DataArgs, tokenizer, rank: int, world_size: int,
                        state: dict[str, Any] | None = None) -> TrainLoader:
     return TrainLoader(args, tokenizer, rank, world_size, state)
+
+
+def repartition(states: list[dict[str, Any]], world_size: int, args: DataArgs) -> list[dict[str, Any]]:
+    """Loader states for `world_size` ranks from the states saved by another number of ranks.
+
+    The unread rest of each source's current epoch, over all old ranks (a partly used document included, with the
+    count of its tokens already used), is cut into `world_size` pieces of about equal bytes at line boundaries: no
+    line is read twice or skipped. The epochs after it use the new ranks' own byte ranges.
+    """
+    _check_args(args)
+    new = [{"rank": r, "world_size": world_size, "rng": np.random.default_rng([args.seed, r]).bit_generator.state,
+            "sources": {}} for r in range(world_size)]
+    for name in sorted(args.sources):
+        files = _train_files(args, name)
+        sizes = [os.path.getsize(f) for f in files]
+        rest, epoch, malformed = [], min(old["sources"][name]["epoch"] for old in states), 0
+        for old in states:
+            source = old["sources"][name]
+            if source["total_bytes"] != sum(sizes):
+                raise UserError(f"data source '{name}' changed since the loader state was saved "
+                                f"({source['total_bytes']} bytes then, {sum(sizes)} now)")
+            segments = source.get("segments") or _rank_segments(files, sizes, old["rank"], old["world_size"])
+            if source["segment"] < len(segments):
+                path, _, end, _ = segments[source["segment"]]
+                rest += [[path, source["byte"], end, source["token"]], *segments[source["segment"] + 1:]]
+            malformed += source["malformed_lines"]
+        for rank, piece in enumerate(_split_segments([s for s in rest if s[1] < s[2]], world_size)):
+            first = piece[0] if piece else [None, 0, 0, 0]
+            new[rank]["sources"][name] = {"epoch": epoch, "segment": 0, "byte": first[1], "token": first[3],
+                                          "malformed_lines": malformed if rank == 0 else 0,
+                                          "total_bytes": sum(sizes), "segments": piece}
+        unread = sum(end - start for _, start, end, _ in rest)
+        logger.info(f"data source '{name}': the {unread:,} unread bytes of epoch {epoch} of {len(states)} rank(s) "
+                    f"are re-partitioned over {world_size} rank(s) at line boundaries")
+    return new
+
+
+def _split_segments(segments: list[list], n: int) -> list[list[list]]:
+    """n consecutive pieces of about equal bytes, cut only at line starts (a partly used first line stays whole)."""
+    total = sum(end - start for _, start, end, _ in segments)
+    targets = [total * (k + 1) // n for k in range(n)]
+    pieces, piece, done = [], [], 0
+    for path, start, end, skip in segments:
+        while start < end:
+            room = targets[len(pieces)] - done if len(pieces) < n - 1 else end - start
+            cut = end if end - start <= room else _line_start_at_or_after(path, start + room) if room > 0 else start
+            cut = min(cut, end)
+            if cut > start:
+                piece.append([path, start, cut, skip])
+                done, start, skip = done + cut - start, cut, 0
+            if start < end:  # this piece is full
+                pieces.append(piece)
+                piece = []
+    pieces.append(piece)
+    return pieces + [[] for _ in range(n - len(pieces))]
 
 
 def load_validation(args: DataArgs, tokenizer, n_sequences: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:

@@ -1,18 +1,145 @@
-"""Process-level concerns, in one place: the launch, ranks, devices, mixed precision, stop signals, the run lock."""
+"""Process-level concerns, in one place: the launch (torchrun, SLURM srun, one process), the process group, each
+rank's device, parallelising a model (FSDP2, per-block compile, activation checkpointing), mixed precision,
+collectives for metrics, stop signals agreed across ranks, SLURM requeue, and the run lock.
+
+Nothing here assumes CUDA, a GPU count per node or a cluster: on CPU the process group is gloo and the precision
+fp32; on GPUs it is nccl, with bf16 compute and fp32 gradient reduction.
+"""
 
 import contextlib
+import datetime
 import fcntl
 import logging
 import os
+import re
 import signal
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from lingua.args import UserError
+from lingua.args import UserError, at_least, require
 
 logger = logging.getLogger(__name__)
+
+FSDP_TYPES = ("full_shard", "no_shard", "hybrid_shard")
+AC_MODES = ("none", "full", "selective")
+
+
+@dataclass
+class DistributedArgs:
+    fsdp_type: str = "full_shard"  # full_shard | no_shard (replicated) | hybrid_shard (shard in groups, replicate)
+    shard_size: int = 0  # hybrid_shard: ranks per shard group; 0 = the processes of one node
+    compile: bool = False  # torch.compile each block (static shapes: compiled once)
+    activation_checkpointing: str = "none"  # none | full (recompute each block) | selective (keep matmul outputs)
+    stop_signal: str = "SIGUSR2"  # SLURM's warning before the time limit (sbatch --signal=USR2@180)
+    requeue: bool = True  # under SLURM, requeue the job after the stop signal, so it resumes unattended
+    timeout_minutes: int = 30  # collectives that wait longer fail instead of hanging
+
+    def __post_init__(self):
+        require(self.fsdp_type in FSDP_TYPES, "fsdp_type", f"must be one of {', '.join(FSDP_TYPES)}")
+        require(self.activation_checkpointing in AC_MODES, "activation_checkpointing",
+                f"must be one of {', '.join(AC_MODES)}")
+        require(self.stop_signal in signal.Signals.__members__, "stop_signal",
+                f"must be a signal name such as SIGUSR2, got '{self.stop_signal}'")
+        at_least(self, 0, "shard_size")
+        at_least(self, 1, "timeout_minutes")
+
+
+# ------------------------------------------------------------------------------------------------------- launch
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Who this process is. `source`: torchrun (any launcher setting RANK/WORLD_SIZE), slurm (srun tasks) or single."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    source: str = "single"
+
+
+def detect_launch(env: dict[str, str] | None = None) -> Launch:
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return Launch(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
+                      int(env.get("LOCAL_WORLD_SIZE", 1)), env.get("MASTER_ADDR", "127.0.0.1"),
+                      int(env.get("MASTER_PORT", 29500)), "torchrun")
+    step_tasks = int(env.get("SLURM_STEP_NUM_TASKS", 1))  # set by srun for its tasks, not in the batch script
+    if step_tasks > 1:
+        nodes = int(env.get("SLURM_STEP_NUM_NODES", 1))
+        return Launch(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), step_tasks,
+                      _tasks_on_first_node(env.get("SLURM_STEP_TASKS_PER_NODE", ""), step_tasks // nodes),
+                      first_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]),
+                      20_000 + int(env.get("SLURM_JOB_ID", 0)) % 20_000, "slurm")
+    if int(env.get("SLURM_NTASKS", 1)) > 1:
+        logger.warning(f"SLURM allocated {env['SLURM_NTASKS']} tasks but this process was not started by srun: "
+                       "training in one process (launch with srun for one process per task)")
+    return Launch()
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\],]+?)(?:-[^\],]*)?[,\]])?", nodelist.strip())
+    if not match:
+        raise UserError(f"cannot read the SLURM node list '{nodelist}'")
+    prefix, first = match.group(1), match.group(2)
+    return prefix + (first or "")
+
+
+def _tasks_on_first_node(tasks_per_node: str, default: int) -> int:
+    """SLURM_STEP_TASKS_PER_NODE, e.g. '4(x2),3' -> 4."""
+    match = re.match(r"(\d+)", tasks_per_node)
+    return int(match.group(1)) if match else max(default, 1)
+
+
+# ------------------------------------------------------------------------------------------- process group, device
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """auto (this rank's GPU when there is one, else the CPU), cpu, cuda or cuda:N; anything else is a one-line
+    error. With several processes, `cuda` means each rank's own GPU (its local rank)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UserError(f"device must be auto, cpu, cuda or cuda:N, got '{name}'")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device={name} but no GPU is available (device=auto picks one when there is)")
+        index = local_rank if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise UserError(f"device={name} on local rank {local_rank} but this machine has "
+                            f"{torch.cuda.device_count()} GPU(s)")
+        device = torch.device("cuda", index)
+    return device
+
+
+def init_process_group(launch: Launch, device: torch.device, timeout_minutes: int) -> None:
+    """One process group per run when there are several processes (nccl on GPUs, gloo on CPUs)."""
+    if launch.world_size == 1 or dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=launch.rank,
+                            world_size=launch.world_size, timeout=datetime.timedelta(minutes=timeout_minutes),
+                            device_id=device if device.type == "cuda" else None)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -26,31 +153,41 @@ def barrier() -> None:
         dist.barrier()
 
 
-def check_single_process() -> None:
-    """Several processes would each think they are rank 0 and write one dump_dir: refused until supported."""
-    launched = {"WORLD_SIZE": os.environ.get("WORLD_SIZE"), "SLURM_NTASKS": os.environ.get("SLURM_NTASKS")}
-    for variable, value in launched.items():
-        if value is not None and value.isdigit() and int(value) > 1:
-            raise UserError(f"multi-process training (torchrun, SLURM tasks) is not supported yet: {variable}={value}; "
-                            "run one process")
+def all_reduce(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Sum or max over ranks (in place, returned); the identity in one process."""
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return values
 
 
-def resolve_device(name: str) -> torch.device:
-    """auto (a GPU when there is one, else the CPU), cpu, cuda or cuda:N; anything else is a one-line error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise UserError(f"device must be auto, cpu, cuda or cuda:N, got '{name}'")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"device={name} but no GPU is available (device=auto picks one when there is)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UserError(f"device={name} but this machine has {torch.cuda.device_count()} GPU(s)")
-    return device
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather_object(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def on_all_ranks(check) -> None:
+    """Runs `check` on rank 0 and re-raises its UserError on every rank, so all ranks stop together."""
+    error = None
+    if rank_and_world()[0] == 0:
+        try:
+            check()
+        except UserError as e:
+            error = str(e)
+    error = broadcast_object(error)
+    if error is not None:
+        raise UserError(error)
 
 
 def autocast(device: torch.device):
@@ -60,21 +197,94 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
+# -------------------------------------------------------------------------------------------------- parallelise
+
+
+def parallelize(model: nn.Module, blocks: list[nn.Module], args: DistributedArgs, launch: Launch,
+                device: torch.device) -> nn.Module:
+    """Activation checkpointing and compile per block, then FSDP2 per block and at the root (which keeps the
+    embedding, the tied head and everything outside the blocks). Applied on the meta device, before the weights
+    are materialised; parameter names are unchanged."""
+    for block in blocks:
+        if args.activation_checkpointing != "none":
+            _checkpoint_activations(block, args.activation_checkpointing)
+        if args.compile:
+            block.compile(fullgraph=True)
+    if launch.world_size > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+        mesh = _device_mesh(args, launch, device)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if device.type == "cuda" else MixedPrecisionPolicy()
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        register_fsdp_forward_method(model, "encode")  # evaluation calls encode, not forward: gather there too
+    return model
+
+
+def _device_mesh(args: DistributedArgs, launch: Launch, device: torch.device):
+    """1-D mesh for full_shard; (replicate, shard) 2-D mesh for no_shard (shard 1) and hybrid_shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = launch.world_size
+    if args.fsdp_type == "full_shard":
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+    shard = 1 if args.fsdp_type == "no_shard" else (args.shard_size or launch.local_world_size)
+    if world % shard:
+        raise UserError(f"distributed.shard_size {shard} does not divide the {world} processes")
+    return init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def _checkpoint_activations(block: nn.Module, mode: str) -> None:
+    """full: keep only the block's input and recompute the rest in the backward pass. selective: keep the outputs
+    of matmuls and attention too, recomputing only cheap element-wise ops (norms, SwiGLU's gate, RoPE)."""
+    from torch.distributed._composable import checkpoint
+
+    if mode == "full":
+        checkpoint(block)
+        return
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    saved = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_dot_product_flash_attention.default,
+             aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    checkpoint(block, context_fn=lambda: create_selective_checkpoint_contexts(policy))
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Gradient accumulation: FSDP reduces gradients only on the last micro-batch of a step."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+
+
+# ------------------------------------------------------------------------------------------------ stop signals
+
+
 class StopSignal:
-    """SIGTERM, SIGUSR2 (SLURM's warning before a kill) and SIGINT (Ctrl-C) request a checkpoint and a clean stop.
-    A second Ctrl-C interrupts at once, without saving."""
+    """SIGTERM, the configured preemption signal (SIGUSR2: SLURM's warning before the time limit) and SIGINT
+    (Ctrl-C) request a checkpoint and a clean stop. A second Ctrl-C interrupts at once, without saving.
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
+    A signal may reach only some ranks: `agreed()` combines every rank's flag (an all-reduce on the CPU, no device
+    sync), so all ranks stop after the same step."""
 
-    def __init__(self):
+    def __init__(self, preemption: str = "SIGUSR2"):
+        self.signals = {signal.SIGTERM, signal.SIGINT, signal.Signals[preemption]}
         self.received: str | None = None
+        self.group = None
 
     @property
     def requested(self) -> bool:
         return self.received is not None
 
     def __enter__(self):
-        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        self.previous = {s: signal.signal(s, self._handle) for s in self.signals}
+        if dist.is_initialized():  # a CPU group, so agreeing never waits for the GPU stream
+            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
         return self
 
     def __exit__(self, *exc):
@@ -89,9 +299,37 @@ class StopSignal:
                        + (" (Ctrl-C again to stop without saving)" if signum == signal.SIGINT else ""))
         self.received = self.received or name
 
+    def agreed(self) -> bool:
+        """True on every rank once any rank received a stop signal; all ranks call this after every step."""
+        if self.group is None:
+            return self.requested
+        codes = list(signal.Signals.__members__)
+        flag = torch.tensor([codes.index(self.received) + 1 if self.received else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and not self.received:
+            self.received = codes[flag.item() - 1]
+            logger.warning(f"another rank received {self.received}: saving a checkpoint and stopping")
+        return self.requested
+
+
+def requeue_slurm_job(signal_name: str, args: DistributedArgs) -> bool:
+    """After the preemption signal, rank 0 of a SLURM job asks SLURM to requeue it; True if it did."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not (job and args.requeue and signal_name == args.stop_signal and rank_and_world()[0] == 0):
+        return False
+    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if result.returncode:
+        logger.warning(f"scontrol requeue {job} failed: {result.stderr.strip()}")
+        return False
+    logger.info(f"requeued SLURM job {job}: it resumes from this checkpoint when it starts again")
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------- run lock
+
 
 class RunLock:
-    """An exclusive lock on a run's dump_dir while a process trains in it.
+    """An exclusive lock on a run's dump_dir while a job trains in it, held by the job's rank 0 for all its ranks.
 
     It is an advisory `flock` on DUMP_DIR/.lock, which the kernel releases when the holder exits, however it dies:
     a killed run never leaves it stuck. The file records the holder's pid and host for the refusal message.
@@ -102,6 +340,10 @@ class RunLock:
         self.file = None
 
     def __enter__(self):
+        on_all_ranks(self._acquire)
+        return self
+
+    def _acquire(self) -> None:
         file = open(self.path, "a+")
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -117,7 +359,25 @@ class RunLock:
         file.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
         file.flush()
         self.file = file
-        return self
 
     def __exit__(self, *exc):
-        self.file.close()  # releases the lock; the file stays (removing it could race with a new holder)
+        if self.file is not None:
+            self.file.close()  # releases the lock; the file stays (removing it could race with a new holder)
+
+
+# ------------------------------------------------------------------------------------------------- model build
+
+
+def build_model(build_fn, model_args, tokenizer, device: torch.device, seed: int = 0,
+                parallel: tuple[DistributedArgs, Launch] | None = None) -> nn.Module:
+    """The one way models are built, for training and for loading: on the meta device (no memory), parallelised
+    when asked (`parallel`), materialised on `device`, then initialised from `seed` (`init_weights`)."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = build_fn(model_args, tokenizer)
+    if parallel is not None:
+        parallelize(model, model.sharding_units(), *parallel, device)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()
+    return model

@@ -27,20 +27,22 @@ class LoggingArgs:
         require(self.peak_tflops > 0, "peak_tflops", f"must be > 0, got {self.peak_tflops}")
 
 
-def setup_logging(log_file: Path | None = None) -> None:
-    """Progress on stdout (and in the run's log file); replaces handlers a previous run in this process added."""
+def setup_logging(log_file: Path | None = None, rank: int = 0) -> None:
+    """Progress on stdout (and in the run's log file); replaces handlers a previous run in this process added.
+    Ranks other than 0 print only their warnings and errors, tagged with their rank, and write no file."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
         handler.close()
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
-    if log_file is not None:
+    if log_file is not None and rank == 0:
         handlers.append(logging.FileHandler(log_file))
-    fmt = logging.Formatter("%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S")
+    tag = f"[rank {rank}] " if rank else ""
+    fmt = logging.Formatter(f"%(asctime)s %(levelname).1s {tag}%(message)s", datefmt="%H:%M:%S")
     for handler in handlers:
         handler.setFormatter(fmt)
         root.addHandler(handler)
-    root.setLevel(logging.INFO)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -52,29 +54,33 @@ def peak_memory_gib(device: torch.device) -> float:
 class MetricLogger:
     """Appends records to metrics.jsonl. On resume, drops the records past the resumed step, which the resumed run
     will write again, so the file always describes one consistent run; that rewrite is atomic, so a kill during it
-    leaves the old file whole."""
+    leaves the old file whole. Only rank 0 writes (`enabled`); the records it gets are already reduced over ranks."""
 
-    def __init__(self, path: Path, resume_step: int, args: LoggingArgs, config: dict[str, Any]):
-        self.path = path
+    def __init__(self, path: Path, resume_step: int, args: LoggingArgs, config: dict[str, Any], enabled: bool = True):
+        self.path, self.file, self.wandb = path, None, None
+        if not enabled:
+            return
         if path.exists():
             kept = [line for line in path.read_text().splitlines() if _step_of(line, default=resume_step + 1)
                     <= resume_step]  # a line torn by a kill is dropped with the rest past the checkpoint
             atomic_write(path, "".join(line + "\n" for line in kept))
         self.file = path.open("a")
-        self.wandb = None
         if args.wandb_project:
             import wandb
 
             self.wandb = wandb.init(project=args.wandb_project, config=config, dir=str(path.parent), resume="allow")
 
     def log(self, record: dict[str, Any]) -> None:
+        if self.file is None:
+            return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
 

@@ -2,12 +2,18 @@
 
 An app (apps/<name>/train.py) supplies only its model and config: `App(name, args_cls, build_model)`. The model
 owns its masking (`make_batch`, random draws from a generator the loop checkpoints), its loss (`forward`) and its
-FLOPs per token (`flops_per_token_view`). Everything about a run lives in its `dump_dir`; restarting with the same
-dump_dir resumes from the newest checkpoint that loads and continues exactly.
+FLOPs per token (`flops_per_token_view`) and the modules FSDP shards (`sharding_units`). Everything about a run lives in
+its `dump_dir`; restarting with the same dump_dir resumes from the newest checkpoint that loads and continues exactly,
+on the same or another number of processes.
+
+The same command runs in one process, under `torchrun` or under SLURM's `srun` (lingua/distributed.py): each rank
+trains on its own share of the data; gradients are reduced by FSDP2; only rank 0 writes logs and metrics, whose
+values are means over all ranks.
 
 Exit status of `main`: 0 the run finished (or had nothing left to do); 2 a one-line error (a bad config or input,
 a refused start, a failed write); EXIT_STOPPED a stop signal saved a checkpoint (the same command resumes);
 EXIT_DIVERGED the loss or gradient became non-finite (nothing non-finite was saved); 130 interrupted without saving.
+A SLURM job stopped by its preemption signal and requeued exits 0: it goes on in its next allocation.
 """
 
 import logging
@@ -20,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lingua.args import UserError, at_least, config_changes, dump_config, load_config, require, to_dict
 from lingua.checkpoint import (
@@ -27,18 +34,30 @@ from lingua.checkpoint import (
     CheckpointManager,
     DamagedCheckpoint,
     export_consolidated,
+    load_weights,
     saved_shapes,
     shape_mismatches,
     verify,
 )
-from lingua.data import DataArgs, build_train_loader, load_validation
+from lingua.data import DataArgs, build_train_loader, load_validation, repartition
 from lingua.distributed import (
+    DistributedArgs,
+    Launch,
     RunLock,
     StopSignal,
+    all_reduce,
     autocast,
-    check_single_process,
+    barrier,
+    broadcast_object,
+    build_model,
+    destroy_process_group,
+    detect_launch,
+    init_process_group,
+    on_all_ranks,
     rank_and_world,
+    requeue_slurm_job,
     resolve_device,
+    set_gradient_sync,
 )
 from lingua.files import remove_partial_writes
 from lingua.flops import count_params
@@ -78,14 +97,15 @@ class TrainArgs:
     seed: int = 42
     steps: int = 1000
     grad_acc_steps: int = 1
-    device: str = "auto"  # auto: cuda if available, else cpu
-    compile: bool = False  # torch.compile the model's forward (shapes are static)
+    device: str = "auto"  # auto: each rank's GPU if there is one, else the CPU
+    init_from: str = ""  # a new run starts from these weights (checkpoint folder, dump_dir or consolidated.pt)
     data: DataArgs = field(default_factory=DataArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     validation: ValidationArgs = field(default_factory=ValidationArgs)
     eval: GlueEvalArgs = field(default_factory=GlueEvalArgs)  # frozen GLUE probes every eval.every steps (0: off)
+    distributed: DistributedArgs = field(default_factory=DistributedArgs)
 
     def __post_init__(self):
         require(bool(self.dump_dir.strip()), "dump_dir", "is empty: name the run's folder")
@@ -99,35 +119,39 @@ class App:
     build_model: Callable[[Any, Any], torch.nn.Module]
 
 
-def build_model(app: App, args, tokenizer, device: torch.device) -> torch.nn.Module:
-    torch.manual_seed(args.seed)
-    with torch.device("meta"):
-        model = app.build_model(args.model, tokenizer)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()
-    return model
-
-
 @torch.no_grad()
-def validate(model, tokens: torch.Tensor, args: ValidationArgs, device: torch.device) -> dict[str, float]:
-    """Loss and accuracy on fixed sequences with a fixed masking seed: comparable across steps and runs."""
+def validate(model, tokens: torch.Tensor, args: ValidationArgs, device: torch.device, launch: Launch) -> dict:
+    """Loss and accuracy on fixed sequences with a fixed masking seed: comparable across steps, runs and world sizes.
+    Every rank draws the masks of each whole chunk and evaluates its own rows of it; the sums are reduced."""
     model.eval()
     generator = torch.Generator(device).manual_seed(args.seed)
-    totals = {"loss": 0.0, "accuracy": 0.0}
+    totals = torch.zeros(2, device=device)
     for chunk in tokens.split(args.batch_size):
+        batch = model.make_batch(chunk.to(device), generator)
+        mine = {key: value.tensor_split(launch.world_size)[launch.rank] for key, value in batch.items()}
+        rows = len(mine["targets"])  # every row predicts the same number of tokens: row-weighted means are exact
         with autocast(device):
-            loss, stats = model(**model.make_batch(chunk.to(device), generator))
-        totals["loss"] += loss.item() * len(chunk)
-        totals["accuracy"] += stats["accuracy"].item() * len(chunk)
+            loss, stats = model(**mine)
+        totals += torch.stack([loss.float(), stats["accuracy"].float()]) * rows
     model.train()
-    return {f"val/{k}": v / len(tokens) for k, v in totals.items()}
+    loss, accuracy = (all_reduce(totals) / len(tokens)).tolist()
+    return {"val/loss": loss, "val/accuracy": accuracy}
+
+
+def check_validation_split(args: ValidationArgs, world_size: int) -> None:
+    """Each chunk of validation rows is split over the ranks: each must get at least one row of every chunk."""
+    chunks = [args.batch_size] * (args.n_sequences // args.batch_size) + [args.n_sequences % args.batch_size]
+    if min(c for c in chunks if c) < world_size:
+        raise UserError(f"validation.batch_size {args.batch_size} and validation.n_sequences {args.n_sequences} "
+                        f"leave a chunk of fewer rows than the {world_size} processes: use multiples of {world_size}")
 
 
 class Throughput:
-    """Tokens per second and MFU over the steps since the last report."""
+    """Tokens per second and MFU of all ranks together over the steps since the last report, and the share of this
+    rank's time spent waiting for its data loader."""
 
     def __init__(self, model, args: TrainArgs, world_size: int):
+        self.world_size = world_size
         seqs = args.data.batch_size * args.grad_acc_steps * world_size
         self.per_step = {
             "data_tokens": seqs * args.data.seq_len,
@@ -135,15 +159,16 @@ class Throughput:
         }
         self.flops_per_view = model.flops_per_token_view(args.data.seq_len)
         self.peak = args.logging.peak_tflops * 1e12 * world_size
-        self.start, self.steps, self.predicted = time.perf_counter(), 0, 0
+        self.start, self.steps, self.predicted, self.waited = time.perf_counter(), 0, 0, 0.0
 
     def exclude(self, seconds: float) -> None:
         """Time spent outside training steps (validation, probes, checkpoints) does not count."""
         self.start += seconds
 
-    def step(self, predicted_tokens: int) -> None:
+    def step(self, predicted_tokens: int, waited_s: float) -> None:
         self.steps += 1
-        self.predicted += predicted_tokens
+        self.predicted += predicted_tokens * self.world_size
+        self.waited += waited_s
 
     def report(self) -> dict[str, float]:
         elapsed = time.perf_counter() - self.start
@@ -153,8 +178,9 @@ class Throughput:
             "token_views_per_s": views_per_s,
             "predicted_tokens_per_s": self.predicted / elapsed,
             "mfu": self.flops_per_view * views_per_s / self.peak,
+            "data_wait": self.waited / elapsed,
         }
-        self.start, self.steps, self.predicted = time.perf_counter(), 0, 0
+        self.start, self.steps, self.predicted, self.waited = time.perf_counter(), 0, 0, 0.0
         return out
 
 
@@ -184,47 +210,69 @@ class NonFiniteGuard:
 
 
 def train(app: App, args) -> dict[str, Any]:
-    """Trains, or resumes, the run in args.dump_dir. The dump_dir is locked for the run; nothing in it is written
-    before the start has succeeded (config checked, checkpoint loaded, data found)."""
-    check_single_process()
+    """Trains, or resumes, the run in args.dump_dir, in this process and the others of its launch. The dump_dir is
+    locked for the run; nothing in it is written before the start has succeeded (config checked, checkpoint
+    loaded, data found)."""
+    launch = detect_launch()
+    device = resolve_device(args.device, launch.local_rank)
     if args.data.seq_len > args.model.encoder.max_seqlen:
         raise UserError(f"data.seq_len ({args.data.seq_len}) exceeds model.encoder.max_seqlen "
                         f"({args.model.encoder.max_seqlen}), the length of the position table")
-    device = resolve_device(args.device)
+    if args.validation.every > 0:
+        check_validation_split(args.validation, launch.world_size)
     if args.eval.every > 0:
         check_args(args.eval)  # a bad GLUE path fails now, not at the first evaluation
         args.eval.max_len = min(args.eval.max_len or args.data.seq_len, args.model.encoder.max_seqlen)
-    dump_dir = Path(args.dump_dir)
-    dump_dir.mkdir(parents=True, exist_ok=True)
-    with RunLock(dump_dir):
-        setup_logging(dump_dir / "train.log")
-        return _train(app, args, dump_dir, device)
+    init_process_group(launch, device, args.distributed.timeout_minutes)
+    try:
+        dump_dir = Path(args.dump_dir)
+        on_all_ranks(lambda: _make_folder(dump_dir))
+        with RunLock(dump_dir):
+            setup_logging(dump_dir / "train.log", launch.rank)
+            return _train(app, args, dump_dir, device, launch)
+    finally:
+        destroy_process_group()
 
 
-def _train(app: App, args, dump_dir: Path, device: torch.device) -> dict[str, Any]:
-    rank, world_size = rank_and_world()
+def _make_folder(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create dump_dir {folder}: {e.strerror}") from None
+
+
+def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch) -> dict[str, Any]:
+    rank, world_size = launch.rank, launch.world_size
     tokenizer = build_tokenizer(args.data.tokenizer)
-    model = build_model(app, args, tokenizer, device)
+    model = build_model(app.build_model, args.model, tokenizer, device, args.seed, (args.distributed, launch))
     check_batch_shape(model, args, device)
     optimizer = build_optimizer(model, args.optim)
-    generator = torch.Generator(device).manual_seed(args.seed + rank)  # the masking's random draws
     params = {"app": app.name, "config": to_dict(args)}
     checkpoints = CheckpointManager(dump_dir / "checkpoints", args.checkpoint)
     checkpoints.remove_leftovers()
-    for partial in remove_partial_writes(dump_dir):
-        logger.info(f"removed {partial.name}, left by a process killed while writing it")
-    state = resume(checkpoints, model, optimizer, app, args) or {"step": 0, "data": None, "data_tokens": 0}
-    if "generator" in state:
+    if rank == 0:
+        for partial in remove_partial_writes(dump_dir):
+            logger.info(f"removed {partial.name}, left by a process killed while writing it")
+    state = resume(checkpoints, model, optimizer, app, args, launch)
+    generator = torch.Generator(device).manual_seed(args.seed + rank)  # the masking's random draws
+    if state is None:
+        state = {"step": 0, "data": None, "data_tokens": 0}
+        if args.init_from:
+            load_weights(args.init_from, model)
+            logger.info(f"initialised the model from {args.init_from} (weights only: step, optimizer and data start "
+                        "afresh)")
+    elif "generator" in state:
         generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
 
     val_tokens = None
-    if args.validation.every > 0:
-        val_tokens = load_validation(args.data, tokenizer, args.validation.n_sequences, rank, world_size)
-    forward = torch.compile(model) if args.compile else model
+    if args.validation.every > 0:  # every rank holds all rows; `validate` splits each chunk over the ranks
+        val_tokens = load_validation(args.data, tokenizer, args.validation.n_sequences)
     throughput = Throughput(model, args, world_size)
     logger.info(
         f"{app.name}: {count_params(model):,} parameters ({count_params(model, embeddings=False):,} outside the "
-        f"embedding) on {device}, {args.steps} steps of {throughput.per_step['data_tokens']:,} data tokens"
+        f"embedding) on {world_size} process(es) ({launch.source}, {device.type}"
+        f"{', ' + args.distributed.fsdp_type if world_size > 1 else ''}), {args.steps} steps of "
+        f"{throughput.per_step['data_tokens']:,} data tokens over all processes"
     )
 
     step, first_loss, last = state["step"], None, {}
@@ -234,22 +282,24 @@ def _train(app: App, args, dump_dir: Path, device: torch.device) -> dict[str, An
     start = time.perf_counter()
     with (
         build_train_loader(args.data, tokenizer, rank, world_size, state["data"]) as loader,
-        MetricLogger(dump_dir / "metrics.jsonl", state["step"], args.logging, params["config"]) as metrics,
-        StopSignal() as stop,
+        MetricLogger(dump_dir / "metrics.jsonl", state["step"], args.logging, params["config"], rank == 0) as metrics,
+        StopSignal(args.distributed.stop_signal) as stop,
     ):
-        dump_config(args, dump_dir / "config.yaml")  # the start has succeeded: this is now the run's config
-        while step < args.steps and not stop.requested:
+        if rank == 0:
+            dump_config(args, dump_dir / "config.yaml")  # the start has succeeded: this is now the run's config
+        while step < args.steps:
             lr = lr_at(step, args.optim, args.steps)
             set_lr(optimizer, lr)
-            loss, accuracy, predicted = train_step(model, forward, loader, generator, args, device)
+            loss, accuracy, predicted, waited = train_step(model, loader, generator, args, device)
             grad_norm = clip_gradients(model, args.optim.clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             guard.update(step, loss, grad_norm)
             state["data_tokens"] += throughput.per_step["data_tokens"]
-            throughput.step(predicted)
+            throughput.step(predicted, waited)
             window.add(loss=loss, accuracy=accuracy, grad_norm=grad_norm)
+            stopping = stop.agreed()
 
             if step % args.logging.freq == 0 or step == args.steps:
                 guard.check()
@@ -257,23 +307,28 @@ def _train(app: App, args, dump_dir: Path, device: torch.device) -> dict[str, An
                         "data_tokens": state["data_tokens"],
                         "compute_flops": state["data_tokens"] * model.views_per_sequence * throughput.flops_per_view,
                         "memory_gib": peak_memory_gib(device), "malformed_lines": loader.malformed_lines}
+                last |= reduce_over_ranks(last, device, maximum=("memory_gib", "data_wait"), total=("malformed_lines",))
                 first_loss = last["loss"] if first_loss is None else first_loss
                 metrics.log(last)
                 logger.info(format_progress(last, args.steps))
             pause = time.perf_counter()
-            if not stop.requested:  # on a stop signal, save at once: the job may have little time left
-                evaluate(step, model, tokenizer, val_tokens, args, device, metrics, rank, guard.check)
-            if step % args.checkpoint.every == 0 or step == args.steps or stop.requested:
+            if not stopping:  # on a stop signal, save at once: the job may have little time left
+                evaluate(step, model, tokenizer, val_tokens, args, device, metrics, launch, guard.check)
+            if step % args.checkpoint.every == 0 or step == args.steps or stopping:
                 guard.check()  # a non-finite state never becomes a checkpoint nor prunes a good one
-                state.update(step=step, data=loader.state_dict(), generator=generator.get_state().tolist())
+                state.update(step=step, data=loader.state_dict(), generator=generator.get_state().tolist(),
+                             world_size=world_size)
                 checkpoints.save(step, model, optimizer, state, params)
             throughput.exclude(time.perf_counter() - pause)
+            if stopping:
+                break
 
     if step == args.steps:
         export_consolidated(model, params, dump_dir / "consolidated.pt")
     summary = {"steps": step, "first_loss": first_loss, "final_loss": last.get("loss"),
                "data_tokens": state["data_tokens"], "seconds": round(time.perf_counter() - start, 1),
-               "stopped_by": stop.received}
+               "stopped_by": stop.received,
+               "requeued": bool(stop.received) and requeue_slurm_job(stop.received, args.distributed)}
     logger.info("summary: " + " | ".join(f"{k} {v}" for k, v in summary.items()))
     return summary
 
@@ -285,27 +340,53 @@ def check_batch_shape(model, args, device: torch.device) -> None:
     model.make_batch(tokens, torch.Generator(device).manual_seed(0))
 
 
-def resume(checkpoints: CheckpointManager, model, optimizer, app: App, args) -> dict | None:
-    """Loads the newest checkpoint that loads and returns its train state; None for a new run.
+def resume(checkpoints: CheckpointManager, model, optimizer, app: App, args, launch: Launch) -> dict | None:
+    """Loads the newest checkpoint that loads and returns this rank's train state; None for a new run.
 
-    A damaged checkpoint (a missing, truncated or unreadable file) is set aside and the one before it is tried. A
-    checkpoint of another app or model shape is refused in one line, before anything is loaded or written.
+    Rank 0 picks the checkpoint and every rank loads that one. A damaged checkpoint (a missing, truncated or
+    unreadable file) is set aside and the one before it is tried. A checkpoint of another app or model shape is
+    refused in one line, before anything is loaded or written. A checkpoint saved by another number of processes
+    loads too: DCP reshards the model and optimizer, and the data loader's unread data is re-partitioned.
     """
+    while True:
+        choice = broadcast_object(_pick_checkpoint(checkpoints, model, app, args) if launch.rank == 0 else None)
+        if isinstance(choice, UserError) or choice is None:
+            if choice is not None:
+                raise choice
+            return None
+        path = Path(choice)
+        try:
+            states = checkpoints.load(path, model, optimizer)
+        except DamagedCheckpoint as e:
+            if launch.rank == 0:
+                _set_aside(checkpoints, path, e)
+            barrier()
+            continue
+        logger.info(f"resumed from {path}")
+        report_changes(verify(path)["config"], args, states[0]["step"])
+        if len(states) == launch.world_size:
+            return states[launch.rank]
+        logger.warning(f"the checkpoint was saved by {len(states)} process(es), this run has {launch.world_size}: "
+                       "the masking random state starts afresh on every rank")
+        data = repartition([s["data"] for s in states], launch.world_size, args.data)[launch.rank]
+        return {"step": states[0]["step"], "data_tokens": states[0]["data_tokens"], "data": data}
+
+
+def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, args) -> str | UserError | None:
+    """Rank 0: the newest checkpoint whose files are all there and whose model fits, as a path; a UserError to
+    raise on every rank; None for a new run."""
     for path in reversed(checkpoints.complete_checkpoints()):
         try:
             saved = verify(path)
             check_same_model(path, saved, saved_shapes(path), model, app, args)
-            state = checkpoints.load(path, model, optimizer)
+            return str(path)
         except DamagedCheckpoint as e:
-            aside = checkpoints.set_aside(path)
-            logger.warning(f"checkpoint {path.name} is damaged ({e}): set aside as {aside.name}; "
-                           "trying the one before it")
-            continue
-        report_changes(saved["config"], args, state["step"])
-        return state
+            _set_aside(checkpoints, path, e)
+        except UserError as e:
+            return e
     if checkpoints.damaged_checkpoints():
-        raise UserError(f"no checkpoint in {checkpoints.folder} loads (the damaged ones are kept as *.damaged): "
-                        "delete them to start this run from scratch, or use another dump_dir")
+        return UserError(f"no checkpoint in {checkpoints.folder} loads (the damaged ones are kept as *.damaged): "
+                         "delete them to start this run from scratch, or use another dump_dir")
     return None
 
 
@@ -321,6 +402,11 @@ def check_same_model(path: Path, saved: dict, shapes: dict, model, app: App, arg
                         "resume with its config, or use another dump_dir")
 
 
+def _set_aside(checkpoints: CheckpointManager, path: Path, error: DamagedCheckpoint) -> None:
+    aside = checkpoints.set_aside(path)
+    logger.warning(f"checkpoint {path.name} is damaged ({error}): set aside as {aside.name}; trying the one before it")
+
+
 def report_changes(old_config: dict, args, step: int) -> None:
     changes = config_changes(old_config, to_dict(args))
     if changes:
@@ -332,14 +418,15 @@ def report_changes(old_config: dict, args, step: int) -> None:
                        f"{args.optim.lr_min:g} at step {args.steps})")
 
 
-def evaluate(step, model, tokenizer, val_tokens, args, device, metrics, rank, check_finite) -> None:
-    """Validation loss and, when configured, the frozen GLUE probes, at their intervals (on a finite model)."""
+def evaluate(step, model, tokenizer, val_tokens, args, device, metrics, launch: Launch, check_finite) -> None:
+    """Validation loss and, when configured, the frozen GLUE probes, at their intervals (on a finite model). Every
+    rank takes part (a sharded model computes with all of them); rank 0 logs."""
     validating = val_tokens is not None and (step % args.validation.every == 0 or step == args.steps)
-    probing = args.eval.every > 0 and step % args.eval.every == 0 and rank == 0
+    probing = args.eval.every > 0 and step % args.eval.every == 0
     if validating or probing:
         check_finite()
     if validating:
-        record = {"step": step, **validate(model, val_tokens, args.validation, device)}
+        record = {"step": step, **validate(model, val_tokens, args.validation, device, launch)}
         metrics.log(record)
         logger.info(f"step {step} | val loss {record['val/loss']:.4f} | val acc {record['val/accuracy']:.3f}")
     if probing:
@@ -361,28 +448,46 @@ class Window:
         self.count += 1
 
     def means(self) -> dict[str, float]:
-        out = {key: (total / self.count).item() for key, total in self.sums.items()}
+        """Means over the window's steps and over all ranks (one reduction, one host sync)."""
+        keys = list(self.sums)
+        totals = all_reduce(torch.stack([self.sums[k] for k in keys])) / (self.count * rank_and_world()[1])
         self.sums, self.count = {}, 0
-        return out
+        return dict(zip(keys, totals.tolist()))
 
 
-def train_step(model, forward, loader, generator, args, device):
-    """One optimizer step's forward/backward over grad_acc_steps micro-batches: mean loss, mean accuracy, and the
-    number of predicted tokens."""
-    total_loss, total_acc, predicted = 0.0, 0.0, 0
-    for _ in range(args.grad_acc_steps):
-        batch = model.make_batch(next(loader).to(device, non_blocking=True), generator)
+def train_step(model, loader, generator, args, device):
+    """One optimizer step's forward/backward over grad_acc_steps micro-batches: mean loss, mean accuracy, the number
+    of predicted tokens, and the seconds spent waiting for the data loader. Gradients are reduced across ranks on
+    the last micro-batch only."""
+    total_loss, total_acc, predicted, waited = 0.0, 0.0, 0, 0.0
+    for micro in range(args.grad_acc_steps):
+        set_gradient_sync(model, micro == args.grad_acc_steps - 1)
+        before = time.perf_counter()
+        tokens = next(loader)
+        waited += time.perf_counter() - before
+        batch = model.make_batch(tokens.to(device, non_blocking=True), generator)
         with autocast(device):
-            loss, stats = forward(**batch)
+            loss, stats = model(**batch)
         (loss / args.grad_acc_steps).backward()
         total_loss = total_loss + loss.detach() / args.grad_acc_steps
         total_acc = total_acc + stats["accuracy"] / args.grad_acc_steps
         predicted += batch["targets"].numel()
-    return total_loss, total_acc, predicted
+    return total_loss, total_acc, predicted, waited
+
+
+def reduce_over_ranks(record: dict, device: torch.device, maximum: tuple[str, ...], total: tuple[str, ...]) -> dict:
+    """Per-rank host values of a log record: the largest over ranks (memory, data wait) or their sum."""
+    if rank_and_world()[1] == 1:
+        return {}
+    largest = all_reduce(torch.tensor([record[k] for k in maximum], dtype=torch.float64, device=device), "max")
+    summed = all_reduce(torch.tensor([record[k] for k in total], dtype=torch.float64, device=device))
+    return {**dict(zip(maximum, largest.tolist())), **{k: int(v) for k, v in zip(total, summed.tolist())}}
 
 
 def clip_gradients(model, max_norm: float) -> torch.Tensor:
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    """The global gradient norm before clipping (over all shards), as a plain tensor on this rank's device."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def main(app: App, argv: list[str] | None = None) -> None:
@@ -398,7 +503,7 @@ def main(app: App, argv: list[str] | None = None) -> None:
         _fail(str(e), EXIT_DIVERGED)
     except KeyboardInterrupt:
         _fail("interrupted: nothing was saved since the last checkpoint", 130)
-    if summary["stopped_by"]:
+    if summary["stopped_by"] and not summary["requeued"]:
         sys.exit(EXIT_STOPPED)
 
 

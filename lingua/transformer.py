@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lingua.args import at_least, require
 
@@ -228,6 +229,13 @@ def init_weights(module: nn.Module, std: float) -> None:
 
 
 def trunc_normal_(tensor: torch.Tensor, std: float) -> None:
+    """In place. A sharded (FSDP) parameter gets the values one process would draw: the full tensor is drawn from the
+    same seeded generator on every rank, which keeps its own shard, so weights do not depend on the world size."""
+    if isinstance(tensor, DTensor):
+        full = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device_mesh.device_type)
+        trunc_normal_(full, std)
+        tensor.copy_(distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None))
+        return
     nn.init.trunc_normal_(tensor, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 

@@ -26,7 +26,7 @@ def test_round_trip_restores_model_optimizer_and_state(tmp_path):
     state = {"step": 7, "data": {"pos": [1, 2]}}
     path = manager.save(7, model, optimizer, state, {"app": "x", "config": {}})
     other, other_opt = _model_and_optimizer(1)
-    assert manager.load(path, other, other_opt) == state
+    assert manager.load(path, other, other_opt) == [state]
     for a, b in zip(model.parameters(), other.parameters()):
         assert torch.equal(a, b)
     exp_avg = lambda opt: [s["exp_avg"] for s in opt.state.values()]  # noqa: E731

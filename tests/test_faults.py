@@ -94,14 +94,6 @@ def test_a_killed_trainer_leaves_no_stuck_lock(corpus, tmp_path, capsys):
     assert status == 0 and max(read_metrics(dump)) == resumed_at + 2
 
 
-@pytest.mark.parametrize("variable", ["WORLD_SIZE", "SLURM_NTASKS"])
-def test_several_processes_are_refused_until_supported(corpus, tmp_path, capsys, monkeypatch, variable):
-    monkeypatch.setenv(variable, "2")
-    status, err = run_main(tiny_argv(corpus, tmp_path / "run", steps=2), capsys)
-    assert status == 2
-    assert_one_line(err, f"multi-process training (torchrun, SLURM tasks) is not supported yet: {variable}=2")
-
-
 def test_extending_a_finished_run_follows_the_schedule_of_its_new_length(corpus, tmp_path, capsys):
     dump = tmp_path / "run"
     assert run_main(tiny_argv(corpus, dump, steps=20), capsys)[0] == 0

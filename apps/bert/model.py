@@ -79,6 +79,10 @@ class Bert(nn.Module):
     def flops_per_token_view(self, seq_len: int) -> float:
         return encoder_flops_per_token(self.args.encoder, seq_len)
 
+    def sharding_units(self) -> list[nn.Module]:
+        """The modules FSDP shards (and compiles, and checkpoints) one by one; the rest stays with the root."""
+        return list(self.encoder.layers)
+
     def init_weights(self) -> None:
         init_weights(self, self.args.encoder.init_std)
 

@@ -153,6 +153,10 @@ class CrossBert(nn.Module):
             self.args.encoder, self.args.predictor_transformer(), self.args.mask_ratio, seq_len, self.args.cms
         )
 
+    def sharding_units(self) -> list[nn.Module]:
+        """The modules FSDP shards (and compiles, and checkpoints) one by one; the rest stays with the root."""
+        return [*self.encoder.layers, *self.predictor.layers]
+
     def init_weights(self) -> None:
         init_weights(self, self.args.encoder.init_std)
         trunc_normal_(self.predictor.mask_embedding, self.args.encoder.init_std)
