@@ -174,8 +174,8 @@ class _SourceStream:
         seg, pos = (self.doc_seg, self.doc_pos) if partial else (self.seg, self.pos)
         state = {"epoch": self.epoch, "segment": seg, "byte": pos, "token": self.doc_off if partial else self.skip,
                  "malformed_lines": self.tokens.malformed, "total_bytes": self.total_bytes}
-        if self.segments is not self.own_segments:
-            state["segments"] = self.segments
+        if self.segments is not self.own_segments:  # file names, not paths: the data folder may move
+            state["segments"] = [[os.path.basename(path), *rest] for path, *rest in self.segments]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -183,7 +183,9 @@ class _SourceStream:
             raise UserError(f"data source '{self.name}' changed since the loader state was saved "
                             f"({state['total_bytes']} bytes then, {self.total_bytes} now)")
         self.close()
-        self.segments = state.get("segments", self.own_segments)
+        folder = os.path.dirname(self.own_segments[0][0])
+        self.segments = [[os.path.join(folder, name), *rest] for name, *rest in state["segments"]] \
+            if "segments" in state else self.own_segments
         self.epoch, self.seg, self.pos = state["epoch"], state["segment"], state["byte"]
         self.doc, self.doc_off, self.skip = [], 0, 0
         if self.seg >= len(self.segments):  # handed nothing of the resumed epoch: start the next one
@@ -328,7 +330,8 @@ def repartition(states: list[dict[str, Any]], world_size: int, args: DataArgs) -
             if source["total_bytes"] != sum(sizes):
                 raise UserError(f"data source '{name}' changed since the loader state was saved "
                                 f"({source['total_bytes']} bytes then, {sum(sizes)} now)")
-            segments = source.get("segments") or _rank_segments(files, sizes, old["rank"], old["world_size"])
+            segments = [[os.path.join(os.path.dirname(files[0]), name), *rest] for name, *rest in source["segments"]] \
+                if "segments" in source else _rank_segments(files, sizes, old["rank"], old["world_size"])
             if source["segment"] < len(segments):
                 path, _, end, _ = segments[source["segment"]]
                 rest += [[path, source["byte"], end, source["token"]], *segments[source["segment"] + 1:]]
@@ -336,8 +339,8 @@ def repartition(states: list[dict[str, Any]], world_size: int, args: DataArgs) -
         for rank, piece in enumerate(_split_segments([s for s in rest if s[1] < s[2]], world_size)):
             first = piece[0] if piece else [None, 0, 0, 0]
             new[rank]["sources"][name] = {"epoch": epoch, "segment": 0, "byte": first[1], "token": first[3],
-                                          "malformed_lines": malformed if rank == 0 else 0,
-                                          "total_bytes": sum(sizes), "segments": piece}
+                                          "malformed_lines": malformed if rank == 0 else 0, "total_bytes": sum(sizes),
+                                          "segments": [[os.path.basename(path), *rest] for path, *rest in piece]}
         unread = sum(end - start for _, start, end, _ in rest)
         logger.info(f"data source '{name}': the {unread:,} unread bytes of epoch {epoch} of {len(states)} rank(s) "
                     f"are re-partitioned over {world_size} rank(s) at line boundaries")

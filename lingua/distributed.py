@@ -9,6 +9,7 @@ fp32; on GPUs it is nccl, with bf16 compute and fp32 gradient reduction.
 import contextlib
 import datetime
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -237,14 +238,10 @@ def _device_mesh(args: DistributedArgs, launch: Launch, device: torch.device):
 
 
 def _checkpoint_activations(block: nn.Module, mode: str) -> None:
-    """full: keep only the block's input and recompute the rest in the backward pass. selective: keep the outputs
-    of matmuls and attention too, recomputing only cheap element-wise ops (norms, SwiGLU's gate, RoPE)."""
-    from torch.distributed._composable import checkpoint
-
-    if mode == "full":
-        checkpoint(block)
-        return
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    """full: keep only the block's inputs and recompute the rest in the backward pass. selective: keep the outputs
+    of matmuls and attention too, recomputing only cheap element-wise ops (norms, SwiGLU's gate, RoPE). The block's
+    forward is wrapped in place, so parameter names do not change and the block still compiles."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
     saved = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_dot_product_flash_attention.default,
@@ -253,7 +250,12 @@ def _checkpoint_activations(block: nn.Module, mode: str) -> None:
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
-    checkpoint(block, context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    forward = block.forward
+    if mode == "full":
+        block.forward = lambda *args: checkpoint(forward, *args, use_reentrant=False)
+    else:
+        context = functools.partial(create_selective_checkpoint_contexts, policy)  # a partial: compile traces it
+        block.forward = lambda *args: checkpoint(forward, *args, use_reentrant=False, context_fn=context)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

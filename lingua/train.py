@@ -13,7 +13,8 @@ values are means over all ranks.
 Exit status of `main`: 0 the run finished (or had nothing left to do); 2 a one-line error (a bad config or input,
 a refused start, a failed write); EXIT_STOPPED a stop signal saved a checkpoint (the same command resumes);
 EXIT_DIVERGED the loss or gradient became non-finite (nothing non-finite was saved); 130 interrupted without saving.
-A SLURM job stopped by its preemption signal and requeued exits 0: it goes on in its next allocation.
+The preemption signal (`distributed.stop_signal`, SIGUSR2: a cluster taking the machines back) saves a checkpoint and
+exits 0 on every rank, so torchrun and srun see a clean end; under SLURM the job is requeued and resumes by itself.
 """
 
 import logging
@@ -503,7 +504,7 @@ def main(app: App, argv: list[str] | None = None) -> None:
         _fail(str(e), EXIT_DIVERGED)
     except KeyboardInterrupt:
         _fail("interrupted: nothing was saved since the last checkpoint", 130)
-    if summary["stopped_by"] and not summary["requeued"]:
+    if summary["stopped_by"] and summary["stopped_by"] != args.distributed.stop_signal:
         sys.exit(EXIT_STOPPED)
 
 

@@ -1,0 +1,71 @@
+"""A few optimizer steps of a tiny model through the library's build path and step pieces, on fixed global batches
+whose rows and masks do not depend on the number of processes: each rank takes its rows of every global batch.
+
+    python tests/fsdp_steps.py OUT.json [app=bert] [fsdp_type=full_shard] [ac=none] [compile=false] [grad_acc=1]
+    torchrun --nproc-per-node 2 tests/fsdp_steps.py OUT.json ...
+
+Rank 0 writes, per step, the loss (mean over all rows) and the gradient norm. Used by tests/test_distributed.py.
+"""
+
+import json
+import sys
+from dataclasses import replace
+
+import torch
+
+from apps.bert.train import APP as BERT
+from apps.crossbert.train import APP as CROSSBERT
+from lingua.args import load_config
+from lingua.distributed import (
+    DistributedArgs,
+    all_reduce,
+    build_model,
+    destroy_process_group,
+    detect_launch,
+    init_process_group,
+    set_gradient_sync,
+)
+from lingua.optim import OptimArgs, build_optimizer
+from lingua.tokenizer import TokenizerArgs, build_tokenizer
+from lingua.train import clip_gradients
+
+GLOBAL_ROWS, SEQ_LEN, STEPS = 8, 32, 4
+
+
+def main(out: str, app: str = "bert", fsdp_type: str = "full_shard", ac: str = "none", compile: str = "false",
+         grad_acc: str = "1") -> None:
+    app = {"bert": BERT, "crossbert": CROSSBERT}[app]
+    launch = detect_launch()
+    device = torch.device("cpu")
+    init_process_group(launch, device, timeout_minutes=5)
+    model_args = load_config(app.args_cls, ["dump_dir=x", "model.encoder.dim=32", "model.encoder.n_layers=2",
+                                            "model.encoder.n_heads=2", "model.encoder.max_seqlen=32"]).model
+    parallel = replace(DistributedArgs(), fsdp_type=fsdp_type, activation_checkpointing=ac,
+                       compile=compile == "true")
+    tokenizer = build_tokenizer(TokenizerArgs(name="bytes"))
+    model = build_model(app.build_model, model_args, tokenizer, device, seed=0, parallel=(parallel, launch))
+    optimizer = build_optimizer(model, OptimArgs(lr=3e-3, warmup=0))
+    data, masks = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    records = []
+    for _ in range(STEPS):
+        total = torch.zeros(())
+        for micro in range(int(grad_acc)):
+            set_gradient_sync(model, micro == int(grad_acc) - 1)
+            tokens = torch.randint(0, 256, (GLOBAL_ROWS, SEQ_LEN), generator=data)
+            batch = model.make_batch(tokens, masks)  # the global batch's masks, the same on every rank
+            mine = {key: value.tensor_split(launch.world_size)[launch.rank] for key, value in batch.items()}
+            loss, _ = model(**mine)
+            (loss / int(grad_acc)).backward()
+            total += loss.detach() / int(grad_acc)
+        grad_norm = clip_gradients(model, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        records.append({"loss": (all_reduce(total) / launch.world_size).item(), "grad_norm": grad_norm.item()})
+    if launch.rank == 0:
+        with open(out, "w") as f:
+            json.dump(records, f)
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], **dict(arg.split("=", 1) for arg in sys.argv[2:]))

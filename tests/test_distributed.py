@@ -1,0 +1,246 @@
+"""Several processes on the CPU (gloo): torchrun launches of the real commands, FSDP2 equivalence, checkpoints
+across world sizes, preemption, the launch environment of SLURM, the data re-partition."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import read_metrics, tiny_argv
+
+from apps.bert.train import APP as BERT
+from lingua import train as loop
+from lingua.args import load_config
+from lingua.checkpoint import CheckpointArgs, CheckpointManager, load_model
+from lingua.data import DataArgs, TrainLoader, repartition
+from lingua.distributed import Launch, RunLock, detect_launch, first_host
+from lingua.tokenizer import TokenizerArgs, build_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(*args, procs=2, check=True, **kwargs) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", *map(str, args)]
+    result = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300, **kwargs)
+    if check and result.returncode:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def steps(tmp_path: Path, name: str, *options, procs=1) -> list[dict]:
+    """Per-step loss and gradient norm of tests/fsdp_steps.py."""
+    out = tmp_path / f"{name}.json"
+    if procs == 1:
+        subprocess.run([sys.executable, "tests/fsdp_steps.py", out, *options], cwd=REPO, env=ENV, check=True)
+    else:
+        torchrun("tests/fsdp_steps.py", out, *options, procs=procs)
+    return json.loads(out.read_text())
+
+
+def assert_close(a: list[dict], b: list[dict], rel: float) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=rel) and x["grad_norm"] == pytest.approx(y["grad_norm"], rel=rel)
+
+
+@pytest.mark.parametrize("app", ["bert", "crossbert"])
+def test_two_ranks_match_one_rank_with_the_whole_batch(tmp_path, app):
+    """Same global rows and masks: FSDP over 2 ranks (full, replicated, hybrid; with gradient accumulation) gives
+    the losses and gradient norms of one process."""
+    one = steps(tmp_path, "one", f"app={app}", "grad_acc=2")
+    for fsdp_type in ("full_shard", "no_shard", "hybrid_shard"):
+        assert_close(steps(tmp_path, fsdp_type, f"app={app}", "grad_acc=2", f"fsdp_type={fsdp_type}", procs=2), one,
+                     rel=1e-5)
+
+
+def test_activation_checkpointing_keeps_the_gradients(tmp_path):
+    plain = steps(tmp_path, "plain", "app=crossbert")
+    for mode in ("full", "selective"):
+        assert_close(steps(tmp_path, mode, "app=crossbert", f"ac={mode}"), plain, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_fsdp_match_eager(tmp_path):
+    eager = steps(tmp_path, "eager", "app=crossbert", procs=2)
+    assert_close(steps(tmp_path, "compiled", "app=crossbert", "compile=true", "ac=selective", procs=2), eager,
+                 rel=1e-4)
+
+
+def _train_argv(corpus: Path, dump: Path, steps: int, *extra) -> list[str]:
+    return [*tiny_argv(corpus, dump, steps), "checkpoint.every=10", *extra]
+
+
+@pytest.mark.parametrize("app", ["bert", "crossbert"])
+def test_torchrun_trains_and_writes_once(corpus, tmp_path, app):
+    dump = tmp_path / "run"
+    result = torchrun("-m", f"apps.{app}.train", *_train_argv(corpus, dump, 12))
+    metrics = read_metrics(dump)
+    assert sorted(metrics) == list(range(1, 13))  # one line per step: rank 0 alone writes
+    assert metrics[12]["data_tokens"] == 12 * 2 * 8 * 32  # both ranks' tokens
+    assert "on 2 process(es) (torchrun, cpu, full_shard)" in (dump / "train.log").read_text()
+    assert "Traceback" not in result.stderr
+    model, _, _ = load_model(dump)  # the export gathers every shard
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_checkpoints_move_between_world_sizes(corpus, tmp_path):
+    """Saved on 2 ranks at step 10; resumed on 2 ranks it continues exactly, on 1 rank it continues with the
+    unread data re-partitioned (and back to 2 ranks again)."""
+    full = tmp_path / "full"
+    torchrun("-m", "apps.bert.train", *_train_argv(corpus, full, 20))
+    reference = read_metrics(full)
+    for procs in (2, 1):
+        dump = tmp_path / f"resumed_on_{procs}"
+        subprocess.run(["cp", "-r", full, dump], check=True)
+        subprocess.run(["rm", "-r", dump / "checkpoints" / "0000000020", dump / "consolidated.pt"], check=True)
+        argv = _train_argv(corpus, dump, 20)
+        if procs == 2:
+            torchrun("-m", "apps.bert.train", *argv)
+        else:
+            subprocess.run([sys.executable, "-m", "apps.bert.train", *argv], cwd=REPO, env=ENV, check=True,
+                           capture_output=True)
+        resumed = read_metrics(dump)
+        assert sorted(resumed) == list(range(1, 21))
+        if procs == 2:
+            assert [resumed[s]["loss"] for s in range(11, 21)] == [reference[s]["loss"] for s in range(11, 21)]
+        else:
+            assert resumed[20]["data_tokens"] == reference[10]["data_tokens"] + 10 * 8 * 32
+            assert "re-partitioned over 1 rank(s)" in (dump / "train.log").read_text()
+    back = tmp_path / "resumed_on_1"
+    torchrun("-m", "apps.bert.train", *_train_argv(corpus, back, 30))
+    assert sorted(read_metrics(back)) == list(range(1, 31))
+
+
+def test_init_from_loads_weights_only_into_a_sharded_model(corpus, tmp_path):
+    source, target = tmp_path / "source", tmp_path / "target"
+    loop.train(BERT, load_config(BERT.args_cls, _train_argv(corpus, source, 20)))
+    torchrun("-m", "apps.bert.train", *_train_argv(corpus, target, 1, f"init_from={source}", "validation.every=1",
+                                                   "optim.lr=1e-12", "optim.lr_min=0"))
+    val = lambda dump: [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()  # noqa: E731
+                        if "val/loss" in line]
+    assert val(target)[0]["step"] == 1 and read_metrics(target)[1]["loss"] < 4.5  # trained weights, step from 0
+    assert val(target)[0]["val/loss"] == pytest.approx(val(source)[-1]["val/loss"], rel=1e-4)
+    state = torch.load(target / "consolidated.pt", weights_only=True)
+    assert state["config"]["init_from"] == str(source)
+
+
+def test_init_from_a_missing_path_is_one_line(corpus, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        loop.main(BERT, tiny_argv(corpus, tmp_path / "run", 2) + [f"init_from={tmp_path / 'nowhere'}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "checkpoint not found" in err and len(err.strip().splitlines()) == 1
+
+
+def test_preemption_signal_to_one_rank_stops_all_at_one_step(corpus, tmp_path):
+    dump = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "apps.bert.train",
+           *_train_argv(corpus, dump, 100_000, "checkpoint.every=1000", "validation.every=0")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (dump / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        time.sleep(1)
+        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                  text=True).stdout.split()]
+        rank0 = int((dump / ".lock").read_text().split()[1])
+        os.kill(next(p for p in workers if p != rank0), signal.SIGUSR2)  # rank 1 only
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output
+    saved = CheckpointManager(dump / "checkpoints", CheckpointArgs()).complete_checkpoints()
+    assert len(saved) == 1 and len(list(saved[0].glob("train_state_*.json"))) == 2
+    states = [json.loads(p.read_text()) for p in sorted(saved[0].glob("train_state_*.json"))]
+    assert states[0]["step"] == states[1]["step"] == int(saved[0].name)
+    assert "another rank received SIGUSR2" in output or "received SIGUSR2" in output
+    step = int(saved[0].name)
+    torchrun("-m", "apps.bert.train", *_train_argv(corpus, dump, step + 3, "validation.every=0"))
+    assert max(read_metrics(dump)) == step + 3
+
+
+def test_a_held_dump_dir_refuses_every_rank(corpus, tmp_path):
+    dump = tmp_path / "run"
+    dump.mkdir()
+    with RunLock(dump):
+        result = torchrun("-m", "apps.bert.train", *_train_argv(corpus, dump, 2), check=False)
+    assert result.returncode != 0 and result.stderr.count("is in use by a running training") == 2
+    assert "]: Traceback" not in result.stderr  # no worker traceback (torchrun reports the exit status with its own)
+
+
+def test_launch_environments():
+    torchrun_env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                    "MASTER_ADDR": "node1", "MASTER_PORT": "29400"}
+    assert detect_launch(torchrun_env) == Launch(3, 1, 4, 2, "node1", 29400, "torchrun")
+    srun_env = {"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "123456",
+                "SLURM_STEP_NODELIST": "gpu[07-09,12]", "SLURM_STEP_NUM_NODES": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x4)",
+                "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[07-09,12]"}
+    assert detect_launch(srun_env) == Launch(5, 1, 8, 2, "gpu07", 20_000 + 123456 % 20_000, "slurm")
+    assert detect_launch({"SLURM_NTASKS": "4", "SLURM_PROCID": "0"}) == Launch()  # a batch script, no srun
+    assert detect_launch({}) == Launch()
+    for nodelist, host in [("node1", "node1"), ("a[1-3]", "a1"), ("gpu[07-09,12],cpu1", "gpu07"), ("n[5,7]", "n5"),
+                           ("h-a-[003-004]", "h-a-003")]:
+        assert first_host(nodelist) == host
+
+
+def _distinct_docs(root: Path) -> Counter:
+    """A corpus whose documents are runs of one distinct character: the tokens read tell which lines were read."""
+    source = root / "docs"
+    source.mkdir(parents=True)
+    chars = [c for c in map(chr, range(33, 127))]
+    lines = [json.dumps({"text": c * (5 + 7 * i % 23)}) for i, c in enumerate(chars)]
+    (source / "train.00000.jsonl").write_text("\n".join(lines[:50]) + "\n")
+    (source / "train.00001.jsonl").write_text("\n".join(lines[50:]) + "\n")
+    return Counter({ord(c): 5 + 7 * i % 23 for i, c in enumerate(chars)})
+
+
+def _read_epoch(loader: TrainLoader, counts: Counter) -> None:
+    """Counts the tokens a loader hands out until its stream starts the next epoch."""
+    stream = loader.streams[0]
+    epoch = stream.epoch
+    while True:
+        token = stream.take(1)[0]
+        if stream.epoch != epoch:
+            return
+        counts[token] += 1
+
+
+@pytest.mark.parametrize("old, new", [(2, 1), (2, 3), (1, 2), (3, 2)])
+def test_repartition_reads_every_line_once(tmp_path, old, new):
+    expected = _distinct_docs(tmp_path)
+    args = DataArgs(root_dir=str(tmp_path), sources={"docs": 1.0}, seq_len=16, batch_size=2, prefetch=0)
+    tokenizer = build_tokenizer(TokenizerArgs(name="bytes"))
+    counts = Counter()
+    states = []
+    for rank in range(old):
+        with TrainLoader(args, tokenizer, rank, old) as loader:
+            for _ in range(rank + 2):  # ranks stop at different places, mid-document
+                counts.update(next(loader).flatten().tolist())
+            states.append(loader.state_dict())
+    moved = repartition(states, new, args)
+    moved = json.loads(json.dumps(moved))  # it is saved as JSON
+    for rank in range(new):
+        with TrainLoader(args, tokenizer, rank, new, moved[rank]) as loader:
+            _read_epoch(loader, counts)
+    eos = tokenizer.eos_id
+    assert counts.pop(eos) == len(expected) and counts == expected
+
+
+def test_repartition_is_balanced(tmp_path):
+    _distinct_docs(tmp_path)
+    args = DataArgs(root_dir=str(tmp_path), sources={"docs": 1.0}, seq_len=16, batch_size=2, prefetch=0)
+    tokenizer = build_tokenizer(TokenizerArgs(name="bytes"))
+    with TrainLoader(args, tokenizer, 0, 1) as loader:
+        state = loader.state_dict()
+    pieces = [s["sources"]["docs"]["segments"] for s in repartition([state], 4, args)]
+    sizes = [sum(end - start for _, start, end, _ in piece) for piece in pieces]
+    assert min(sizes) > 0 and max(sizes) - min(sizes) < 2 * max(len(line) for line in
+                                                              (tmp_path / "docs" / "train.00000.jsonl").read_text().splitlines())
+    assert np.sum(sizes) == sum(p.stat().st_size for p in (tmp_path / "docs").iterdir())
