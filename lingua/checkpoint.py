@@ -325,8 +325,7 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
 def _check_init_shapes(path: Path, saved: dict, model: nn.Module) -> None:
     mismatched = shape_mismatches(saved, model)
     if mismatched:
-        raise UserError(f"init_from: {path} holds a model of another shape (first: {mismatched[0]} "
-                        f"{saved.get(mismatched[0])} vs {tuple(model.state_dict()[mismatched[0]].shape) if mismatched[0] in model.state_dict() else None})")
+        raise UserError(f"init_from: {path} holds a model of another shape (first difference: {mismatched[0]})")
 
 
 def main(argv: list[str]) -> None:
