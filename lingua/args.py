@@ -9,6 +9,7 @@ adds the path of the enclosing config, so the message names the full key (`model
 """
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -184,14 +185,14 @@ def _convert_scalar(tp: type, value: Any, key: str) -> Any:
         raise _type_error(key, "true or false", value)
     if tp is int:
         number = _as_number(value)
-        if number is not None and float(number).is_integer():  # allows 1e6
-            return int(number)
-        raise _type_error(key, "an integer", value)
+        if number is not None and math.isfinite(number) and float(number).is_integer() and abs(number) < 2**63:
+            return int(number)  # allows 1e6
+        raise _type_error(key, "an integer (below 2^63 in size)", value)
     if tp is float:
         number = _as_number(value)
-        if number is not None:
+        if number is not None and math.isfinite(number):
             return float(number)
-        raise _type_error(key, "a number", value)
+        raise _type_error(key, "a finite number", value)
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,12 +43,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lingua.args import UserError, at_least, from_dict
-from lingua.distributed import barrier, build_model, rank_and_world
+from lingua.distributed import all_reduce, barrier, build_model, rank_and_world
 from lingua.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = re.compile(r"^\d{10}$")
+LEFTOVER_NAME = re.compile(r"^\d{10}\.(tmp|deleting)$")
 CONSOLIDATED = "consolidated.pt"
 MANIFEST = "manifest.json"
 LOW_DISK_BYTES = 2**20  # a save that fails with less free space than this failed because the disk is full
@@ -67,6 +69,18 @@ class DamagedCheckpoint(Exception):
     """A checkpoint with a missing, truncated or unreadable file."""
 
 
+def parameters_finite(model: nn.Module, optimizer=None) -> bool:
+    """Whether every weight of the model, and of the optimizer's state, is finite (every shard, on every rank): one
+    reduction, one host sync."""
+    tensors = [*model.parameters()]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    finite_ranks = all_reduce(torch.stack([torch.isfinite(p).all() for p in local]).all().float().reshape(1))
+    return finite_ranks.item() == rank_and_world()[1]
+
+
 def short_reason(error: BaseException) -> str:
     """One line for an exception, also for DCP's CheckpointException, whose text is a traceback per rank."""
     if isinstance(error, CheckpointException) and error.failures:
@@ -83,23 +97,31 @@ def _dcp_quietly():
         yield
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path, keys: dict[str, type] | None = None) -> dict:
+    """A JSON object with the given keys of the given types, else DamagedCheckpoint."""
     try:
-        return json.loads(path.read_text())
+        content = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DamagedCheckpoint(f"{path.name}: {short_reason(e)}") from None
+    wrong = not isinstance(content, dict) or any(not isinstance(content.get(k), t) for k, t in (keys or {}).items())
+    if wrong:
+        raise DamagedCheckpoint(f"{path.name} does not hold {', '.join(keys or {}) or 'a JSON object'}")
+    return content
 
 
 def verify(path: Path) -> dict:
     """The checkpoint's params.json, once every file its manifest lists is there with its size."""
     if (path / MANIFEST).exists():  # checkpoints of older versions have none: their load is the check
-        for name, size in _read_json(path / MANIFEST).items():
+        manifest = _read_json(path / MANIFEST)
+        if not all(isinstance(size, int) for size in manifest.values()):
+            raise DamagedCheckpoint(f"{MANIFEST} does not hold file sizes")
+        for name, size in manifest.items():
             file = path / name
             if not file.is_file():
                 raise DamagedCheckpoint(f"{name} is missing")
             if file.stat().st_size != size:
                 raise DamagedCheckpoint(f"{name} has {file.stat().st_size} bytes, {size} were written")
-    return _read_json(path / "params.json")
+    return _read_json(path / "params.json", {"app": str, "config": dict})
 
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -131,10 +153,19 @@ class CheckpointManager:
     def remove_leftovers(self) -> None:
         """Half-written (`.tmp`) and half-deleted (`.deleting`) checkpoints of processes killed at that moment."""
         if rank_and_world()[0] == 0 and self.folder.is_dir():
-            for leftover in [*self.folder.glob("*.tmp"), *self.folder.glob("*.deleting")]:
-                shutil.rmtree(leftover)
-                logger.info(f"removed {leftover.name}, left by a process killed while saving or pruning")
+            for leftover in self.folder.iterdir():
+                if leftover.is_dir() and LEFTOVER_NAME.match(leftover.name):
+                    shutil.rmtree(leftover)
+                    logger.info(f"removed {leftover.name}, left by a process killed while saving or pruning")
         barrier()
+
+    def check_folder(self) -> None:
+        """The checkpoints folder is a folder, or absent: never a file or a link to a missing (unmounted) folder."""
+        if self.folder.is_symlink() and not self.folder.exists():
+            raise UserError(f"{self.folder} links to a missing folder (an unmounted disk?): its checkpoints cannot "
+                            "be found, so the run cannot resume")
+        if self.folder.exists() and not self.folder.is_dir():
+            raise UserError(f"{self.folder} is a file, not the run's checkpoint folder")
 
     def set_aside(self, path: Path) -> Path:
         """Renames a damaged checkpoint so it is never loaded, counted or pruned again; its files stay. Rank 0 only."""
@@ -193,7 +224,10 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:
             raise DamagedCheckpoint(short_reason(e)) from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return [_read_json(file) for file in sorted(path.glob("train_state_*.json"))]
+        if not parameters_finite(model, optimizer):  # bytes corrupted in place (the size is right)
+            raise DamagedCheckpoint("its weights or optimizer state are not all finite")
+        keys = {"step": int, "data_tokens": int, "data": dict}
+        return [_read_json(file, keys) for file in sorted(path.glob("train_state_*.json"))]
 
     def _prune(self) -> None:
         for old in self.complete_checkpoints()[: -self.args.keep] if self.args.keep > 0 else []:

@@ -46,7 +46,7 @@ class DataArgs:
 
     def __post_init__(self):
         at_least(self, 1, "seq_len", "batch_size")
-        at_least(self, 0, "prefetch")
+        at_least(self, 0, "prefetch", "seed")
         weights = self.sources.values()
         require(all(w >= 0 for w in weights) and (not weights or sum(weights) > 0), "sources",
                 f"weights must be >= 0 with a positive sum, got {self.sources}")

@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from torch import Tensor
 
 from lingua import probes
 from lingua.args import UserError, at_least
+from lingua.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class GlueEvalArgs:
     every: int = 0  # training loop only: run the probes every N steps (0: never)
 
     def __post_init__(self):
-        at_least(self, 0, "every")
+        at_least(self, 0, "every", "seed")
 
 
 # ---------------------------------------------------------------------------------------------------------- data
@@ -319,25 +319,33 @@ class FeatureCache:
         digest = hashlib.sha1(json.dumps([self.model_id, max_len, texts]).encode()).hexdigest()[:16]
         return self.directory / f"{task}.{split}.layer-{layer}.{digest}.pt"
 
-    def load(self, path: Path) -> Tensor | None:
-        """The cached features, or None when absent or unreadable (a file torn by a crash is removed, recomputed)."""
+    def load(self, path: Path, rows: int) -> Tensor | None:
+        """The cached features of `rows` examples, or None when absent or not intact (a file torn by a crash or
+        altered is removed and recomputed)."""
         if not path.is_file():
             return None
         try:
-            return torch.load(path, weights_only=True)
-        except Exception as e:  # truncated zip, bad pickle: any failure means "recompute"
-            logger.warning(f"feature cache file {path.name} is unreadable ({type(e).__name__}): recomputing it")
-            path.unlink(missing_ok=True)
-            return None
+            saved = torch.load(path, weights_only=True)
+            features = saved["features"]
+            intact = features.ndim == 2 and len(features) == rows and saved["sha256"] == _checksum(features)
+        except Exception:  # truncated zip, bad pickle, another layout: any failure means "recompute"
+            intact = False
+        if intact:
+            return features
+        logger.warning(f"feature cache file {path.name} is not intact: recomputing it")
+        path.unlink(missing_ok=True)
+        return None
 
     def save(self, path: Path, features: Tensor) -> None:
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        saved = {"features": features, "sha256": _checksum(features)}
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(features, tmp)
-            os.replace(tmp, path)  # a reader never sees half a file
-        except OSError as e:  # the cache only saves time: go on without it
+            atomic_write(path, lambda file: torch.save(saved, file))
+        except (OSError, RuntimeError) as e:  # a full disk (torch.save says RuntimeError): the cache only saves time
             logger.warning(f"could not cache features in {path.parent}: {e}")
+
+
+def _checksum(features: Tensor) -> str:
+    return hashlib.sha256(features.contiguous().numpy().tobytes()).hexdigest()
 
 
 def split_features(model, tokenizer, task: GlueTask, split: str, data: GlueSplit, layers: list[str],
@@ -345,7 +353,7 @@ def split_features(model, tokenizer, task: GlueTask, split: str, data: GlueSplit
     """Cached features where present; one forward pass for the layers that are missing."""
     max_len = args.max_len or DEFAULT_MAX_LEN
     paths = {layer: cache.path(task.name, split, layer, max_len, data.texts) for layer in layers} if cache else {}
-    found = {layer: cache.load(paths[layer]) for layer in layers} if cache else {}
+    found = {layer: cache.load(paths[layer], len(data.texts)) for layer in layers} if cache else {}
     features = {layer: x for layer, x in found.items() if x is not None}
     missing = [layer for layer in layers if layer not in features]
     if missing:

@@ -35,6 +35,7 @@ from lingua.checkpoint import (
     CheckpointManager,
     DamagedCheckpoint,
     export_consolidated,
+    parameters_finite,
     load_weights,
     saved_shapes,
     shape_mismatches,
@@ -87,7 +88,7 @@ class ValidationArgs:
     seed: int = 1234  # the masking of the validation set is the same at every validation and in every run
 
     def __post_init__(self):
-        at_least(self, 0, "every")
+        at_least(self, 0, "every", "seed")
         at_least(self, 1, "n_sequences", "batch_size")
 
 
@@ -111,6 +112,7 @@ class TrainArgs:
     def __post_init__(self):
         require(bool(self.dump_dir.strip()), "dump_dir", "is empty: name the run's folder")
         at_least(self, 1, "steps", "grad_acc_steps")
+        at_least(self, 0, "seed")
 
 
 @dataclass
@@ -202,12 +204,26 @@ class NonFiniteGuard:
         self.first_bad_step = torch.where(bad & (self.first_bad_step == 0), step, self.first_bad_step)
 
     def check(self) -> None:
-        step = int(self.first_bad_step)
+        """Every rank calls this at the same steps; the first bad step of any rank stops them all."""
+        latest_possible = 2**62
+        encoded = torch.where(self.first_bad_step == 0, 0, latest_possible - self.first_bad_step).reshape(1)
+        found = int(all_reduce(encoded, "max").item())
+        step = latest_possible - found if found else 0
         if step:
-            latest = self.checkpoints.latest()
-            kept = f"the newest checkpoint, {latest.name}, is finite" if latest else "no checkpoint was saved"
-            raise Diverged(f"the loss or gradient norm is not finite at step {step}: the run stops without saving "
-                           f"({kept}); lower optim.lr or raise optim.warmup, then run again")
+            self.stop(f"the loss or gradient norm is not finite at step {step}")
+
+    def check_before_save(self, model, step: int) -> None:
+        """Also the weights themselves: an update can overflow them after the last finite loss."""
+        self.check()
+        if not parameters_finite(model):
+            self.stop(f"the weights are not finite after step {step}")
+
+    def stop(self, what: str) -> None:
+        latest = self.checkpoints.latest()
+        kept = f"the newest checkpoint, {latest.name}, has finite weights" if latest else "no checkpoint was saved"
+        raise Diverged(f"{what}: the run stops without saving ({kept}); lower optim.lr or raise optim.warmup, then "
+                       "run again (if it diverges again at once, that checkpoint is already unstable: delete it to "
+                       "resume from an earlier one)")
 
 
 def train(app: App, args) -> dict[str, Any]:
@@ -236,6 +252,8 @@ def train(app: App, args) -> dict[str, Any]:
 
 
 def _make_folder(folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"dump_dir {folder} is a file, not a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -250,6 +268,7 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
     optimizer = build_optimizer(model, args.optim)
     params = {"app": app.name, "config": to_dict(args)}
     checkpoints = CheckpointManager(dump_dir / "checkpoints", args.checkpoint)
+    on_all_ranks(checkpoints.check_folder)
     checkpoints.remove_leftovers()
     if rank == 0:
         for partial in remove_partial_writes(dump_dir):
@@ -286,7 +305,7 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
         MetricLogger(dump_dir / "metrics.jsonl", state["step"], args.logging, params["config"], rank == 0) as metrics,
         StopSignal(args.distributed.stop_signal) as stop,
     ):
-        if rank == 0:
+        if rank == 0 and step < args.steps:
             dump_config(args, dump_dir / "config.yaml")  # the start has succeeded: this is now the run's config
         while step < args.steps:
             lr = lr_at(step, args.optim, args.steps)
@@ -314,9 +333,9 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
                 logger.info(format_progress(last, args.steps))
             pause = time.perf_counter()
             if not stopping:  # on a stop signal, save at once: the job may have little time left
-                evaluate(step, model, tokenizer, val_tokens, args, device, metrics, launch, guard.check)
+                evaluate(step, model, tokenizer, val_tokens, args, device, metrics, launch, guard)
             if step % args.checkpoint.every == 0 or step == args.steps or stopping:
-                guard.check()  # a non-finite state never becomes a checkpoint nor prunes a good one
+                guard.check_before_save(model, step)  # a non-finite state never becomes a checkpoint
                 state.update(step=step, data=loader.state_dict(), generator=generator.get_state().tolist(),
                              world_size=world_size)
                 checkpoints.save(step, model, optimizer, state, params)
@@ -388,19 +407,29 @@ def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, args) -> s
     if checkpoints.damaged_checkpoints():
         return UserError(f"no checkpoint in {checkpoints.folder} loads (the damaged ones are kept as *.damaged): "
                          "delete them to start this run from scratch, or use another dump_dir")
+    if (checkpoints.folder.parent / "consolidated.pt").exists():  # its history would be overwritten
+        return UserError(f"{checkpoints.folder.parent} holds the export of a finished run but no checkpoint to "
+                         "resume from: use another dump_dir (init_from= starts from its weights)")
     return None
 
 
+ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "norm_eps", "rope_theta")
+
+
 def check_same_model(path: Path, saved: dict, shapes: dict, model, app: App, args) -> None:
+    """The checkpoint is of this app, its tensors fit the model, and no architecture setting changed (some, like
+    n_heads at a fixed dim, change the computation but not the shapes)."""
     run = path.parent.parent
     if saved["app"] != app.name:
         raise UserError(f"{run} holds a run of {saved['app']}, not {app.name}: use another dump_dir")
+    changes = config_changes(saved["config"], to_dict(args))
+    architecture = [f"{key} {old} -> {new}" for key, (old, new) in changes.items()
+                    if key == "data.tokenizer.name"
+                    or (key.startswith("model.") and key.rsplit(".", 1)[-1] in ARCHITECTURE_KEYS)]
     mismatched = shape_mismatches(shapes, model)
-    if mismatched:
-        changed = [f"{key} {old} -> {new}" for key, (old, new) in config_changes(saved["config"], to_dict(args)).items()
-                   if key.startswith(("model.", "data.tokenizer."))]
-        raise UserError(f"{run} holds a model of another shape ({', '.join(changed) or 'tensor ' + mismatched[0]}): "
-                        "resume with its config, or use another dump_dir")
+    if architecture or mismatched:
+        raise UserError(f"{run} holds a model of another shape ({', '.join(architecture) or 'tensor ' + mismatched[0]}"
+                        "): resume with its config, or use another dump_dir")
 
 
 def _set_aside(checkpoints: CheckpointManager, path: Path, error: DamagedCheckpoint) -> None:
@@ -419,15 +448,17 @@ def report_changes(old_config: dict, args, step: int) -> None:
                        f"{args.optim.lr_min:g} at step {args.steps})")
 
 
-def evaluate(step, model, tokenizer, val_tokens, args, device, metrics, launch: Launch, check_finite) -> None:
+def evaluate(step, model, tokenizer, val_tokens, args, device, metrics, launch: Launch, guard: NonFiniteGuard) -> None:
     """Validation loss and, when configured, the frozen GLUE probes, at their intervals (on a finite model). Every
     rank takes part (a sharded model computes with all of them); rank 0 logs."""
     validating = val_tokens is not None and (step % args.validation.every == 0 or step == args.steps)
     probing = args.eval.every > 0 and step % args.eval.every == 0
     if validating or probing:
-        check_finite()
+        guard.check()
     if validating:
         record = {"step": step, **validate(model, val_tokens, args.validation, device, launch)}
+        if not math.isfinite(record["val/loss"]):
+            guard.stop(f"the validation loss is {record['val/loss']} at step {step}")
         metrics.log(record)
         logger.info(f"step {step} | val loss {record['val/loss']:.4f} | val acc {record['val/accuracy']:.3f}")
     if probing:

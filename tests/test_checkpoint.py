@@ -23,7 +23,7 @@ def _model_and_optimizer(seed):
 def test_round_trip_restores_model_optimizer_and_state(tmp_path):
     manager = CheckpointManager(tmp_path, CheckpointArgs(keep=2))
     model, optimizer = _model_and_optimizer(0)
-    state = {"step": 7, "data": {"pos": [1, 2]}}
+    state = {"step": 7, "data": {"pos": [1, 2]}, "data_tokens": 70}
     path = manager.save(7, model, optimizer, state, {"app": "x", "config": {}})
     other, other_opt = _model_and_optimizer(1)
     assert manager.load(path, other, other_opt) == [state]

@@ -52,15 +52,25 @@ def test_a_diverging_run_keeps_only_finite_checkpoints(corpus, tmp_path, capsys)
                                                  "optim.lr=300", "optim.warmup=40", "optim.clip=0"]
     status, err = run_main(argv, capsys)
     assert status == loop.EXIT_DIVERGED
-    assert_one_line(err, "the loss or gradient norm is not finite at step ")
-    bad_step = int(err.split("at step ")[1].split(":")[0])
+    assert_one_line(err, "the run stops without saving (the newest checkpoint, ")
+    bad_step = int(err.split(" at step ")[1].split(":")[0])
     kept = checkpoint_names(dump)
     assert kept and all(int(name) < bad_step for name in kept), (kept, bad_step)
-    assert f"the newest checkpoint, {kept[-1]}, is finite" in err
     for name in kept:
         model, _, _ = load_model(dump / "checkpoints" / name)
         assert all(torch.isfinite(p).all() for p in model.parameters()), name
     assert not (dump / "consolidated.pt").exists()
+    assert "NaN" not in (dump / "metrics.jsonl").read_text() and "Infinity" not in (dump / "metrics.jsonl").read_text()
+
+
+def test_weights_that_are_not_finite_are_never_saved(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    guard = loop.NonFiniteGuard(torch.device("cpu"), loop.CheckpointManager(tmp_path, loop.CheckpointArgs()))
+    guard.check_before_save(model, 1)
+    with torch.no_grad():
+        model.weight[0, 0] = math.inf
+    with pytest.raises(loop.Diverged, match="the weights are not finite after step 2"):
+        guard.check_before_save(model, 2)
 
 
 def test_a_second_trainer_on_a_live_dump_dir_is_refused(corpus, tmp_path, capsys):
@@ -122,7 +132,22 @@ def test_resuming_with_another_model_refuses_before_writing(corpus, tmp_path, ca
 
 
 DAMAGE = [(name, how) for name in ("__0_0.distcp", ".metadata", "params.json", "train_state_00000.json",
-                                   "manifest.json") for how in ("missing", "truncated")]
+                                   "manifest.json") for how in ("missing", "truncated")] + [
+    ("__0_0.distcp", "overwritten"), ("params.json", "overwritten"), ("train_state_00000.json", "overwritten"),
+    ("manifest.json", "overwritten")]
+
+
+def damage(file: Path, how: str) -> None:
+    if how == "missing":
+        file.unlink()
+    elif how == "truncated":
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    elif file.suffix == ".json":  # valid JSON of the wrong content
+        file.write_text('{"apq": 1}' if file.name == "params.json" else "[1, 2]" if "manifest" in file.name else "{}")
+    else:  # the same size, bytes of NaN in the middle
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 4000] = b"\xff" * 4000
+        file.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("name, how", DAMAGE)
@@ -131,21 +156,56 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(corpus, tmp_pa
     run_main(tiny_argv(corpus, full, steps=20), capsys)
     shutil.copytree(full, damaged)
     (damaged / "consolidated.pt").unlink()
-    file = damaged / "checkpoints" / "0000000020" / name
-    if how == "missing":
-        file.unlink()
-    else:
-        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    damage(damaged / "checkpoints" / "0000000020" / name, how)
     status, _ = run_main(tiny_argv(corpus, damaged, steps=20), capsys)
     assert status == 0
     log = (damaged / "train.log").read_text()
     if (name, how) == ("manifest.json", "missing"):  # a checkpoint of an older version: it loads as it is
         assert "resumed from" in log and "0000000020" in log.split("resumed from")[-1].splitlines()[0]
         return
-    assert f"checkpoint 0000000020 is damaged ({name}" in log
+    reason = "its weights or optimizer state are not all finite" if how == "overwritten" and name.endswith(".distcp") else name
+    assert f"checkpoint 0000000020 is damaged ({reason}" in log
     assert checkpoint_names(damaged) == ["0000000010", "0000000020", "0000000020.damaged"]
     reference, continued = read_metrics(full), read_metrics(damaged)
     assert [continued[s]["loss"] for s in range(11, 21)] == [reference[s]["loss"] for s in range(11, 21)]
+
+
+@pytest.mark.parametrize("how", ["dangling link", "file", "checkpoints deleted"])
+def test_a_run_whose_checkpoints_cannot_be_found_is_not_restarted(corpus, tmp_path, capsys, how):
+    dump = tmp_path / "run"
+    run_main(tiny_argv(corpus, dump, steps=10), capsys)
+    shutil.rmtree(dump / "checkpoints")
+    if how == "dangling link":  # a scratch disk that is not mounted
+        (dump / "checkpoints").symlink_to(tmp_path / "unmounted")
+    elif how == "file":
+        (dump / "checkpoints").write_text("")
+    metrics, config = (dump / "metrics.jsonl").read_bytes(), (dump / "config.yaml").read_bytes()
+    status, err = run_main(tiny_argv(corpus, dump, steps=20), capsys)
+    assert status == 2
+    assert_one_line(err, {"dangling link": "links to a missing folder", "file": "is a file, not the run's checkpoint",
+                          "checkpoints deleted": "holds the export of a finished run but no checkpoint"}[how])
+    assert (dump / "metrics.jsonl").read_bytes() == metrics and (dump / "config.yaml").read_bytes() == config
+
+
+def test_architecture_changes_that_keep_the_shapes_are_refused(corpus, tmp_path, capsys):
+    dump = tmp_path / "run"
+    run_main(tiny_argv(corpus, dump, steps=10), capsys)
+    (dump / "consolidated.pt").unlink()
+    status, err = run_main(tiny_argv(corpus, dump, steps=20) + ["model.encoder.n_heads=4"], capsys)
+    assert status == 2
+    assert_one_line(err, "holds a model of another shape (model.encoder.n_heads 2 -> 4)")
+
+
+def test_odd_files_in_the_run_folder(corpus, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    status, err = run_main(tiny_argv(corpus, tmp_path / "a_file", steps=2), capsys)
+    assert status == 2
+    assert_one_line(err, "dump_dir " + str(tmp_path / "a_file") + " is a file, not a folder")
+    dump = tmp_path / "run"
+    (dump / "checkpoints").mkdir(parents=True)
+    (dump / "checkpoints" / "notes.tmp").write_text("mine")  # not a leftover of the library's: kept
+    assert run_main(tiny_argv(corpus, dump, steps=2), capsys)[0] == 0
+    assert (dump / "checkpoints" / "notes.tmp").read_text() == "mine"
 
 
 def test_when_no_checkpoint_loads_the_run_is_not_restarted_from_scratch(corpus, tmp_path, capsys):
@@ -216,6 +276,12 @@ BAD_KNOBS = [
     (["device=tpu"], "device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
     (["dump_dir="], "config key 'dump_dir' is empty"),
     (["steps=ten"], "config key 'steps' expects an integer"),
+    (["seed=1e30"], "config key 'seed' expects an integer (below 2^63 in size)"),
+    (["seed=-1"], "config key 'seed' must be >= 0"),
+    (["data.seed=-5"], "config key 'data.seed' must be >= 0"),
+    (["optim.lr=inf"], "config key 'optim.lr' expects a finite number"),
+    (["optim.eps=nan"], "config key 'optim.eps' expects a finite number"),
+    (["data.sources.tiny=inf"], "config key 'data.sources.tiny' expects a finite number"),
 ]
 if not torch.cuda.is_available():
     BAD_KNOBS.append((["device=cuda"], "device=cuda but no GPU is available"))

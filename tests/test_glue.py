@@ -203,7 +203,25 @@ def test_a_torn_cache_file_is_recomputed(tokenizer, tmp_path):
     calls = model.calls
     again = glue.evaluate_glue(model, tokenizer, args, CPU, glue.FeatureCache(tmp_path, "model-a"))
     assert model.calls == calls + 4  # the torn split alone (16 examples, batches of 4) is encoded again
-    assert again["summary"] == first["summary"] and torch.load(torn, weights_only=True).shape[0] == 16
+    assert again["summary"] == first["summary"] and torch.load(torn, weights_only=True)["features"].shape[0] == 16
+
+
+@pytest.mark.parametrize("alteration", ["bytes", "dict", "shape"])
+def test_an_altered_cache_file_is_recomputed(tokenizer, tmp_path, alteration):
+    model = StandInEncoder()
+    args = _args(tasks=["sst2"], probes=["linear"])
+    first = glue.evaluate_glue(model, tokenizer, args, CPU, glue.FeatureCache(tmp_path, "model-a"))
+    cached = sorted(tmp_path.glob("sst2.train.*.pt"))[0]
+    saved = torch.load(cached, weights_only=True)
+    if alteration == "bytes":  # same size, other values
+        torch.save({**saved, "features": saved["features"].flip(0)}, cached)
+    elif alteration == "dict":
+        torch.save({"a": 1}, cached)
+    else:
+        features = saved["features"][:3]
+        torch.save({"features": features, "sha256": glue._checksum(features)}, cached)
+    again = glue.evaluate_glue(model, tokenizer, args, CPU, glue.FeatureCache(tmp_path, "model-a"))
+    assert again["summary"] == first["summary"]
 
 
 def test_training_hook_restores_train_mode_and_returns_flat_metrics(tokenizer):
