@@ -107,6 +107,7 @@ def format_progress(record: dict[str, Any], total_steps: int) -> str:
         ("grad_norm", "gnorm {:.2f}"),
         ("data_tokens_per_s", "{:,.0f} tok/s"),
         ("mfu", "mfu {:.2%}"),
+        ("data_wait", "data wait {:.0%}"),
         ("memory_gib", "mem {:.1f}GiB"),
     ]:
         if key in record:

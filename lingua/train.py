@@ -35,8 +35,8 @@ from lingua.checkpoint import (
     CheckpointManager,
     DamagedCheckpoint,
     export_consolidated,
-    parameters_finite,
     load_weights,
+    parameters_finite,
     saved_shapes,
     shape_mismatches,
     verify,
@@ -336,8 +336,7 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
                 evaluate(step, model, tokenizer, val_tokens, args, device, metrics, launch, guard)
             if step % args.checkpoint.every == 0 or step == args.steps or stopping:
                 guard.check_before_save(model, step)  # a non-finite state never becomes a checkpoint
-                state.update(step=step, data=loader.state_dict(), generator=generator.get_state().tolist(),
-                             world_size=world_size)
+                state.update(step=step, data=loader.state_dict(), generator=generator.get_state().tolist())
                 checkpoints.save(step, model, optimizer, state, params)
             throughput.exclude(time.perf_counter() - pause)
             if stopping:
