@@ -9,16 +9,11 @@ import torch
 import torch.nn.functional as F
 from conftest import read_metrics, tiny_argv
 
-from apps.crossbert.model import CrossBert, CrossBertArgs, PredictorArgs
+from apps.crossbert.model import CrossBert, CrossBertArgs, PredictorArgs, predictor_flops_per_token
 from apps.crossbert.train import APP
 from lingua.args import UserError, load_config
 from lingua.checkpoint import load_model
-from lingua.flops import (
-    count_params,
-    encoder_flops_per_token,
-    non_embedding_params,
-    predictor_flops_per_token,
-)
+from lingua.flops import count_params, encoder_flops_per_token, non_embedding_params
 from lingua.train import train
 from lingua.transformer import TransformerArgs
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from apps.bert.model import masked_lm_loss, num_masked, random_positions
 from lingua.args import at_least, require
-from lingua.flops import crossbert_flops_per_token_view
+from lingua.flops import encoder_flops_per_token, non_embedding_params
+from lingua.masking import masked_lm_loss, num_masked, random_positions
 from lingua.transformer import (
     AttnMask,
     CrossAttentionBlock,
@@ -72,6 +72,27 @@ class CrossBertArgs:
             n_heads=n_heads,
             head_dim=pred.head_dim or (enc.head_dim if same_heads else None),
         )
+
+
+def predictor_flops_per_token(predictor: TransformerArgs, encoder_dim: int, seq_len: int) -> float:
+    """The cross-attention predictor's analogue of eq. 7: 6 N_pred + 12 d L S, with S the sequence length (as the
+    paper's table does, though each query attends to the S - M visible tokens only). N_pred counts the cross-attention
+    and SwiGLU matrices plus, when the predictor is narrower or wider than the encoder, its two projections."""
+    projections = 2 * encoder_dim * predictor.dim if predictor.dim != encoder_dim else 0
+    return 6 * (non_embedding_params(predictor) + projections) + 12 * predictor.dim * predictor.n_layers * seq_len
+
+
+def crossbert_flops_per_token_view(
+    encoder: TransformerArgs, predictor: TransformerArgs, mask_ratio: float, seq_len: int, cms: bool
+) -> float:
+    """Eq. 8, F_N = F_enc (1 - r) + F_pred r, per token-view: a position of one view of a sequence, of which a fraction
+    1 - r is encoded and r predicted. With CMS, view B has ratio 1 - r, so the average over both views is
+    (F_enc + F_pred) / 2 for any r (equal to eq. 8 at the paper's r = 0.5): a step that consumes one sequence of S
+    data tokens processes 2 S token-views, and C = F_N D holds with D counting token-views (Appendix J's Tokens
+    column = Steps x BSZ, so BSZ counts token-views too: BSZ / (2 S) data sequences per step)."""
+    r = 0.5 if cms else mask_ratio
+    f_enc = encoder_flops_per_token(encoder, seq_len)
+    return f_enc * (1 - r) + predictor_flops_per_token(predictor, encoder.dim, seq_len) * r
 
 
 class Predictor(nn.Module):
