@@ -1,9 +1,8 @@
 """The one training loop shared by every app.
 
-An app (apps/<name>/train.py) supplies only its model and config: `App(name, args_cls, build_model)`. The model
-owns its masking (`make_batch`, random draws from a generator the loop checkpoints), its loss (`forward`) and its
-FLOPs per token (`flops_per_token_view`) and the modules FSDP shards (`sharding_units`). Everything about a run lives in
-its `dump_dir`; restarting with the same dump_dir resumes from the newest checkpoint that loads and continues exactly,
+An app (apps/<name>/train.py) supplies only its model and config: `App(name, args_cls, build_model)`, following the
+contract in lingua/app.py (masking and random draws in `make_batch`, loss and logged stats in `forward`, FLOPs, the
+modules FSDP shards, the representation `encode` gives evaluation). Everything about a run lives in its `dump_dir`; restarting with the same dump_dir resumes from the newest checkpoint that loads and continues exactly,
 on the same or another number of processes.
 
 The same command runs in one process, under `torchrun` or under SLURM's `srun` (lingua/distributed.py): each rank
@@ -21,7 +20,6 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from lingua.app import App
 from lingua.args import UserError, at_least, config_changes, dump_config, load_config, require, to_dict
 from lingua.checkpoint import (
     CheckpointArgs,
@@ -115,30 +114,24 @@ class TrainArgs:
         at_least(self, 0, "seed")
 
 
-@dataclass
-class App:
-    name: str  # the module that defines APP, e.g. "apps.bert.train"; stored with checkpoints to rebuild the model
-    args_cls: type
-    build_model: Callable[[Any, Any], torch.nn.Module]
-
-
 @torch.no_grad()
 def validate(model, tokens: torch.Tensor, args: ValidationArgs, device: torch.device, launch: Launch) -> dict:
     """Loss and accuracy on fixed sequences with a fixed masking seed: comparable across steps, runs and world sizes.
     Every rank draws the masks of each whole chunk and evaluates its own rows of it; the sums are reduced."""
     model.eval()
     generator = torch.Generator(device).manual_seed(args.seed)
-    totals = torch.zeros(2, device=device)
+    totals: dict[str, torch.Tensor] = {}
     for chunk in tokens.split(args.batch_size):
         batch = model.make_batch(chunk.to(device), generator)
         mine = {key: value.tensor_split(launch.world_size)[launch.rank] for key, value in batch.items()}
-        rows = len(mine["targets"])  # every row predicts the same number of tokens: row-weighted means are exact
+        rows = len(next(iter(mine.values())))  # rows predict equally many tokens: row-weighted means are exact
         with autocast(device):
             loss, stats = model(**mine)
-        totals += torch.stack([loss.float(), stats["accuracy"].float()]) * rows
+        for key, value in {"loss": loss, **stats}.items():
+            totals[key] = totals.get(key, 0) + value.detach().float() * rows
     model.train()
-    loss, accuracy = (all_reduce(totals) / len(tokens)).tolist()
-    return {"val/loss": loss, "val/accuracy": accuracy}
+    means = (all_reduce(torch.stack(list(totals.values()))) / len(tokens)).tolist()
+    return {f"val/{key}": value for key, value in zip(totals, means)}
 
 
 def check_validation_split(args: ValidationArgs, world_size: int) -> None:
@@ -310,7 +303,7 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
         while step < args.steps:
             lr = lr_at(step, args.optim, args.steps)
             set_lr(optimizer, lr)
-            loss, accuracy, predicted, waited = train_step(model, loader, generator, args, device)
+            loss, stats, predicted, waited = train_step(model, loader, generator, args, device)
             grad_norm = clip_gradients(model, args.optim.clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -318,7 +311,7 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
             guard.update(step, loss, grad_norm)
             state["data_tokens"] += throughput.per_step["data_tokens"]
             throughput.step(predicted, waited)
-            window.add(loss=loss, accuracy=accuracy, grad_norm=grad_norm)
+            window.add(loss=loss, grad_norm=grad_norm, **stats)
             stopping = stop.agreed()
 
             if step % args.logging.freq == 0 or step == args.steps:
@@ -459,7 +452,7 @@ def evaluate(step, model, tokenizer, val_tokens, args, device, metrics, launch: 
         if not math.isfinite(record["val/loss"]):
             guard.stop(f"the validation loss is {record['val/loss']} at step {step}")
         metrics.log(record)
-        logger.info(f"step {step} | val loss {record['val/loss']:.4f} | val acc {record['val/accuracy']:.3f}")
+        logger.info(f"step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
     if probing:
         scores = run_glue_probes(model, tokenizer, args.eval, device)
         metrics.log({"step": step, **scores})
@@ -487,10 +480,10 @@ class Window:
 
 
 def train_step(model, loader, generator, args, device):
-    """One optimizer step's forward/backward over grad_acc_steps micro-batches: mean loss, mean accuracy, the number
-    of predicted tokens, and the seconds spent waiting for the data loader. Gradients are reduced across ranks on
-    the last micro-batch only."""
-    total_loss, total_acc, predicted, waited = 0.0, 0.0, 0, 0.0
+    """One optimizer step's forward/backward over grad_acc_steps micro-batches: the mean loss, the mean of each of the
+    model's stats, the number of predicted tokens, and the seconds spent waiting for the data loader. Gradients are
+    reduced across ranks on the last micro-batch only."""
+    total_loss, totals, predicted, waited = 0.0, {}, 0, 0.0
     for micro in range(args.grad_acc_steps):
         set_gradient_sync(model, micro == args.grad_acc_steps - 1)
         before = time.perf_counter()
@@ -501,9 +494,10 @@ def train_step(model, loader, generator, args, device):
             loss, stats = model(**batch)
         (loss / args.grad_acc_steps).backward()
         total_loss = total_loss + loss.detach() / args.grad_acc_steps
-        total_acc = total_acc + stats["accuracy"] / args.grad_acc_steps
-        predicted += batch["targets"].numel()
-    return total_loss, total_acc, predicted, waited
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0) + value.detach().float() / args.grad_acc_steps
+        predicted += model.predicted_tokens(batch)
+    return total_loss, totals, predicted, waited
 
 
 def reduce_over_ranks(record: dict, device: torch.device, maximum: tuple[str, ...], total: tuple[str, ...]) -> dict:

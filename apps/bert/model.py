@@ -47,6 +47,9 @@ class Bert(nn.Module):
         logits = self.encoder.logits(gather_tokens(h, mask_idx))
         return masked_lm_loss(logits, targets)
 
+    def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["targets"].numel()
+
     def encode(self, tokens, pad_mask=None, all_layers: bool = False):
         return self.encoder.encode(tokens, pad_mask, all_layers)
 

@@ -165,6 +165,9 @@ class CrossBert(nn.Module):
         h = self.encoder(inputs, positions, AttnMask(encoder_views, encoder_views) if views else None)
         return self.predictor(h, positions, query_positions, AttnMask(query_views, encoder_views) if views else None)
 
+    def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["targets"].numel()
+
     def encode(self, tokens, pad_mask=None, all_layers: bool = False):
         """The encoder on the full, unmasked sequence (evaluation)."""
         return self.encoder.encode(tokens, pad_mask, all_layers)

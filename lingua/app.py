@@ -1,0 +1,59 @@
+"""The app contract: what an app gives the shared training loop (lingua/train.py), and nothing more.
+
+An app is a folder `apps/<name>/` with
+- `model.py`: its model args (a dataclass, validated in `__post_init__`), its model (a plain `nn.Module` following
+  `EncoderModel` below) and `build_<name>(args, tokenizer)`;
+- `train.py`: `<Name>TrainArgs(TrainArgs)` adding `model: <Name>Args`, and `APP = App(...)`, then `main(APP)`;
+- `configs/*.yaml`.
+The loop builds the model on the meta device, parallelises it, materialises it and calls `init_weights`; it owns
+the data, the optimizer, the schedule, checkpoints, logging and the random generator; the model owns its masking,
+its loss, its FLOPs and its shape. No app imports another: what several apps share lives in `lingua/` (for
+example `lingua/masking.py`).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class EncoderModel(Protocol):
+    views_per_sequence: int
+    """Token-views per data sequence in one step (1; CrossBERT with CMS: 2), for throughput and compute."""
+
+    def make_batch(self, tokens: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """The inputs of `forward` for a batch of token rows [B, S]. Every random draw of a step is made here, from
+        `generator` (the loop's, checkpointed: a resumed run draws the same); randomness that `forward` needs
+        (e.g. uniforms for sampling) travels in the batch, so `forward` stays deterministic and compilable. Every
+        tensor has the batch first (validation splits rows over ranks) and a shape that does not depend on the
+        draw."""
+
+    def forward(self, **batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, stats): the scalar loss to minimise and scalar tensors the loop logs as means over the logging
+        window and the ranks (e.g. accuracy, each term of a composite loss). No host sync, no random draw."""
+
+    def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """Tokens predicted in this batch, from shapes only (no sync): logged as predicted_tokens_per_s."""
+
+    def encode(self, tokens: torch.Tensor, pad_mask: torch.Tensor | None = None, all_layers: bool = False):
+        """The frozen representation for evaluation: the full, unmasked sequence [B, S] -> hidden states [B, S, D]
+        after the final norm (padding, pad_mask False, hidden), or every layer's output with all_layers."""
+
+    def flops_per_token_view(self, seq_len: int) -> float:
+        """Training FLOPs per token-view (forward and backward), as the paper counts them: MFU and compute."""
+
+    def sharding_units(self) -> list[nn.Module]:
+        """The modules FSDP shards, compiles and checkpoints one by one (the transformer blocks); the rest (the
+        embedding and tied head) stays with the root."""
+
+    def init_weights(self) -> None:
+        """Fills every parameter and buffer after materialisation from the meta device (under torch.no_grad)."""
+
+
+@dataclass
+class App:
+    name: str  # the module that defines APP, e.g. "apps.bert.train"; stored with checkpoints to rebuild the model
+    args_cls: type  # a TrainArgs subclass with a `model` field
+    build_model: Callable[[Any, Any], EncoderModel]  # (model args, tokenizer) -> model, called on the meta device
