@@ -1,8 +1,9 @@
 """Training data: JSONL chunks -> tokenized documents -> packed rows of seq_len tokens -> mixed batches.
 
 Layout: ROOT/SOURCE/train.*.jsonl (chunks, read in name order) and ROOT/SOURCE/valid.jsonl, one {"text": ...}
-document per line. Every document is followed by the tokenizer's eos id; documents are concatenated and cut into rows
-of exactly seq_len tokens (no padding), a document that does not fit continuing in the next row of its source.
+document per line. Documents are tokenized as `<s> text </s>` (RoBERTa's format, which is also how evaluation,
+lingua/glue.py, feeds the encoder), concatenated and cut into rows of exactly seq_len tokens (no padding), a
+document that does not fit continuing in the next row of its source.
 
 Sharding: the chunks of a source are treated as one byte stream of T bytes; rank r owns the lines that START in bytes
 [r*T/W, (r+1)*T/W). Every line starts in exactly one range, so each line is used exactly once per epoch for any number
@@ -71,7 +72,7 @@ def _train_files(args: DataArgs, name: str) -> list[str]:
 
 
 class _Tokens:
-    """Turns raw JSONL lines into token lists (document + eos); skips and counts malformed lines."""
+    """Turns raw JSONL lines into token lists (<s> document </s>); skips and counts malformed lines."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.malformed = tokenizer, 0
@@ -81,7 +82,7 @@ class _Tokens:
             doc = json.loads(line.decode("utf-8")) if line.strip() else None
             text = doc.get("text") if isinstance(doc, dict) else None
             if isinstance(text, str):
-                return self.tokenizer.encode(text) + [self.tokenizer.eos_id]
+                return [self.tokenizer.bos_id, *self.tokenizer.encode(text), self.tokenizer.eos_id]
         except (UnicodeError, ValueError, RecursionError):  # bad UTF-8 or JSON, lone surrogates, absurd nesting
             pass
         self.malformed += 1

@@ -8,7 +8,7 @@ from lingua.args import UserError
 from lingua.data import DataArgs, build_train_loader, load_validation
 from lingua.tokenizer import BytesTokenizer, TokenizerArgs, build_tokenizer
 
-EOS = 257  # </s> of the "bytes" tokenizer, whose other ids are the UTF-8 bytes
+BOS, EOS = 256, 257  # <s> and </s> of the "bytes" tokenizer, whose other ids are the UTF-8 bytes
 
 
 TOK = build_tokenizer(TokenizerArgs(name="bytes"))
@@ -35,7 +35,7 @@ def split_docs(tokens: list[int]) -> list[str]:
         if t == EOS:
             docs.append(bytes(cur).decode())
             cur = []
-        else:
+        elif t != BOS:
             cur.append(t)
     return docs
 
@@ -56,7 +56,7 @@ def test_packing_is_the_exact_document_stream(tmp_path):
     with build_train_loader(args, TOK, 0, 1) as loader:
         batches = take(loader, 20)
     assert all(b.shape == (3, 7) and b.dtype == torch.long for b in batches)
-    expected = [t for d in docs for t in list(d.encode()) + [EOS]]
+    expected = [t for d in docs for t in [BOS, *d.encode(), EOS]]
     assert stream(batches) == expected[: 20 * 3 * 7]
 
 
@@ -109,9 +109,9 @@ def test_malformed_lines_are_skipped_and_counted(tmp_path, caplog):
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=5, batch_size=2, prefetch=2)
     with caplog.at_level(logging.WARNING), build_train_loader(args, TOK, 0, 1) as loader:
         assert loader.malformed_lines == 0
-        batches = take(loader, 2)  # 20 tokens: "first", "second" and part of the last document
+        batches = take(loader, 2)  # 20 tokens: <s>first</s>, <s>second</s>, part of the last document
         assert loader.malformed_lines == 6
-        batches += take(loader, 2)  # into the second epoch, whose skipped lines count again
+        batches += take(loader, 3)  # into the second epoch, whose skipped lines count again
         assert loader.malformed_lines == 12
         assert loader.state_dict()["sources"]["a"]["malformed_lines"] == 12
     assert split_docs(stream(batches))[:4] == ["first", "second", "last, no newline", "first"]
@@ -188,9 +188,9 @@ class FailingTokenizer(BytesTokenizer):
 
 def test_background_errors_reach_the_caller(tmp_path):
     write_source(tmp_path, "a", [["fine"] * 3 + ["boom"]])
-    args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=5, batch_size=1, prefetch=2)
+    args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=6, batch_size=1, prefetch=2)
     loader = build_train_loader(args, FailingTokenizer(), 0, 1)
-    assert next(loader).tolist() == [list(b"fine") + [EOS]]
+    assert next(loader).tolist() == [[BOS, *b"fine", EOS]]
     with pytest.raises(RuntimeError, match="tokenizer failed"):
         take(loader, 5)
     with pytest.raises(RuntimeError, match="tokenizer failed"):  # and again, instead of hanging
@@ -212,9 +212,9 @@ def test_validation_is_fixed_weighted_and_rank_disjoint(tmp_path):
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 3.0, "b": 1.0}, seq_len=8)
     val = load_validation(args, TOK, 4)
     assert val.shape == (4, 8) and torch.equal(val, load_validation(args, TOK, 4))
-    a_stream = [t for d in texts(30, "va") for t in list(d.encode()) + [EOS]]
+    a_stream = [t for d in texts(30, "va") for t in [BOS, *d.encode(), EOS]]
     assert val[:3].flatten().tolist() == a_stream[:24]  # 3 rows from a, 1 from b
-    assert bytes(val[3, :2].tolist()) == b"vb"
+    assert val[3, 0] == BOS and bytes(val[3, 1:3].tolist()) == b"vb"
     ranks = [load_validation(args, TOK, 4, rank=r, world_size=2) for r in range(2)]
     assert torch.equal(ranks[0], val)
     assert ranks[1][:3].flatten().tolist() == a_stream[24:48]

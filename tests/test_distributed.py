@@ -230,8 +230,7 @@ def test_repartition_reads_every_line_once(tmp_path, old, new):
     for rank in range(new):
         with TrainLoader(args, tokenizer, rank, new, moved[rank]) as loader:
             _read_epoch(loader, counts)
-    eos = tokenizer.eos_id
-    assert counts.pop(eos) == len(expected) and counts == expected
+    assert counts.pop(tokenizer.bos_id) == counts.pop(tokenizer.eos_id) == len(expected) and counts == expected
 
 
 def test_repartition_is_balanced(tmp_path):
