@@ -332,28 +332,31 @@ def _check_shapes(path: Path, saved: dict[str, tuple[int, ...]], model: nn.Modul
         raise DamagedCheckpoint(f"its tensors do not match its config (first: {mismatched[0]})")
 
 
-def load_weights(path: str | Path, model: nn.Module) -> None:
+def load_weights(path: str | Path, model: nn.Module) -> dict:
     """The model weights of any checkpoint `resolve_checkpoint` accepts, into `model` as it is (sharded, compiled):
-    no optimizer state, no step. Every rank calls it."""
+    no optimizer state, no step. Returns the config they were trained with. Every rank calls it."""
     path = resolve_checkpoint(path)
     try:
         if path.is_dir():
-            verify(path)
+            params = verify(path)
             _check_init_shapes(path, saved_shapes(path), model)
             state = {"model": get_model_state_dict(model)}
             with _dcp_quietly():
                 dcp.load(state, checkpoint_id=str(path))
             set_model_state_dict(model, state["model"])
-            return
+            return params["config"]
         saved = torch.load(path, map_location="cpu", weights_only=True)
+    except UserError:
+        raise
     except DamagedCheckpoint as e:
         raise UserError(f"init_from: checkpoint {path} is damaged: {e}") from None
     except (Exception, CheckpointException) as e:
         raise UserError(f"init_from: cannot load {path} ({short_reason(e)})") from None
-    if not isinstance(saved, dict) or "model" not in saved:
+    if not isinstance(saved, dict) or not {"model", "config"} <= saved.keys():
         raise UserError(f"init_from: {path} is not a checkpoint of this library")
     _check_init_shapes(path, {k: tuple(v.shape) for k, v in saved["model"].items()}, model)
     set_model_state_dict(model, saved["model"], options=StateDictOptions(full_state_dict=True))
+    return saved["config"]
 
 
 def _check_init_shapes(path: Path, saved: dict, model: nn.Module) -> None:

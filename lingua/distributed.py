@@ -27,6 +27,7 @@ from lingua.args import UserError, at_least, require
 logger = logging.getLogger(__name__)
 
 FSDP_TYPES = ("full_shard", "no_shard", "hybrid_shard")
+STOP_SIGNALS = ("SIGUSR2", "SIGUSR1", "SIGTERM", "SIGHUP")  # what a scheduler sends before it takes the machines
 AC_MODES = ("none", "full", "selective")
 
 
@@ -44,8 +45,8 @@ class DistributedArgs:
         require(self.fsdp_type in FSDP_TYPES, "fsdp_type", f"must be one of {', '.join(FSDP_TYPES)}")
         require(self.activation_checkpointing in AC_MODES, "activation_checkpointing",
                 f"must be one of {', '.join(AC_MODES)}")
-        require(self.stop_signal in signal.Signals.__members__, "stop_signal",
-                f"must be a signal name such as SIGUSR2, got '{self.stop_signal}'")
+        require(self.stop_signal in STOP_SIGNALS, "stop_signal",
+                f"must be one of {', '.join(STOP_SIGNALS)}, got '{self.stop_signal}'")
         at_least(self, 0, "shard_size")
         at_least(self, 1, "timeout_minutes")
 
@@ -191,6 +192,21 @@ def on_all_ranks(check) -> None:
         raise UserError(error)
 
 
+def on_every_rank(build):
+    """Runs `build` on every rank; a UserError on any rank is raised on all of them (what each rank built is closed),
+    so an error that only one rank meets (its share of the data) stops the job in one line, not in a hang."""
+    try:
+        result, error = build(), None
+    except UserError as e:
+        result, error = None, str(e)
+    errors = [e for e in all_gather_object(error) if e is not None]
+    if errors:
+        if hasattr(result, "close"):
+            result.close()
+        raise UserError(errors[0])
+    return result
+
+
 def autocast(device: torch.device):
     """bf16 mixed precision on GPU; full precision on CPU, where bf16 matmuls are slow."""
     if device.type == "cuda":
@@ -319,7 +335,11 @@ def requeue_slurm_job(signal_name: str, args: DistributedArgs) -> bool:
     job = os.environ.get("SLURM_JOB_ID")
     if not (job and args.requeue and signal_name == args.stop_signal and rank_and_world()[0] == 0):
         return False
-    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    except OSError as e:  # no scontrol here (a container): the checkpoint is saved, the job just ends
+        logger.warning(f"cannot requeue SLURM job {job}: {e.strerror}: scontrol")
+        return False
     if result.returncode:
         logger.warning(f"scontrol requeue {job} failed: {result.stderr.strip()}")
         return False

@@ -2,7 +2,8 @@
 
 An app (apps/<name>/train.py) supplies only its model and config: `App(name, args_cls, build_model)`, following the
 contract in lingua/app.py (masking and random draws in `make_batch`, loss and logged stats in `forward`, FLOPs, the
-modules FSDP shards, the representation `encode` gives evaluation). Everything about a run lives in its `dump_dir`; restarting with the same dump_dir resumes from the newest checkpoint that loads and continues exactly,
+modules FSDP shards, the representation `encode` gives evaluation). Everything about a run lives in its
+`dump_dir`; restarting with the same dump_dir resumes from the newest checkpoint that loads and continues exactly,
 on the same or another number of processes.
 
 The same command runs in one process, under `torchrun` or under SLURM's `srun` (lingua/distributed.py): each rank
@@ -55,6 +56,7 @@ from lingua.distributed import (
     detect_launch,
     init_process_group,
     on_all_ranks,
+    on_every_rank,
     rank_and_world,
     requeue_slurm_job,
     resolve_device,
@@ -271,10 +273,12 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
     if state is None:
         state = {"step": 0, "data": None, "data_tokens": 0}
         if args.init_from:
-            load_weights(args.init_from, model)
+            changed = architecture_changes(load_weights(args.init_from, model), args)
+            if changed:
+                raise UserError(f"init_from {args.init_from} is a model of another architecture ({', '.join(changed)})")
             logger.info(f"initialised the model from {args.init_from} (weights only: step, optimizer and data start "
                         "afresh)")
-    elif "generator" in state:
+    elif state.get("generator") is not None:
         generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
 
     val_tokens = None
@@ -294,12 +298,14 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
     window, guard = Window(), NonFiniteGuard(device, checkpoints)
     start = time.perf_counter()
     with (
-        build_train_loader(args.data, tokenizer, rank, world_size, state["data"]) as loader,
+        on_every_rank(lambda: build_train_loader(args.data, tokenizer, rank, world_size, state["data"])) as loader,
         MetricLogger(dump_dir / "metrics.jsonl", state["step"], args.logging, params["config"], rank == 0) as metrics,
         StopSignal(args.distributed.stop_signal) as stop,
     ):
         if rank == 0 and step < args.steps:
             dump_config(args, dump_dir / "config.yaml")  # the start has succeeded: this is now the run's config
+        if state.get("evaluation_skipped"):  # the stop that saved this checkpoint skipped its evaluation
+            evaluate(step, model, tokenizer, val_tokens, args, device, metrics, launch, guard)
         while step < args.steps:
             lr = lr_at(step, args.optim, args.steps)
             set_lr(optimizer, lr)
@@ -329,7 +335,8 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
                 evaluate(step, model, tokenizer, val_tokens, args, device, metrics, launch, guard)
             if step % args.checkpoint.every == 0 or step == args.steps or stopping:
                 guard.check_before_save(model, step)  # a non-finite state never becomes a checkpoint
-                state.update(step=step, data=loader.state_dict(), generator=generator.get_state().tolist())
+                state.update(step=step, data=loader.state_dict(), generator=generator.get_state().tolist(),
+                             evaluation_skipped=stopping)
                 checkpoints.save(step, model, optimizer, state, params)
             throughput.exclude(time.perf_counter() - pause)
             if stopping:
@@ -380,8 +387,9 @@ def resume(checkpoints: CheckpointManager, model, optimizer, app: App, args, lau
             return states[launch.rank]
         logger.warning(f"the checkpoint was saved by {len(states)} process(es), this run has {launch.world_size}: "
                        "the masking random state starts afresh on every rank")
-        data = repartition([s["data"] for s in states], launch.world_size, args.data)[launch.rank]
-        return {"step": states[0]["step"], "data_tokens": states[0]["data_tokens"], "data": data}
+        old = [s["data"] for s in states]
+        data = on_every_rank(lambda: repartition(old, launch.world_size, args.data))[launch.rank]
+        return {**states[0], "data": data, "generator": None}
 
 
 def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, args) -> str | UserError | None:
@@ -414,14 +422,19 @@ def check_same_model(path: Path, saved: dict, shapes: dict, model, app: App, arg
     run = path.parent.parent
     if saved["app"] != app.name:
         raise UserError(f"{run} holds a run of {saved['app']}, not {app.name}: use another dump_dir")
-    changes = config_changes(saved["config"], to_dict(args))
-    architecture = [f"{key} {old} -> {new}" for key, (old, new) in changes.items()
-                    if key == "data.tokenizer.name"
-                    or (key.startswith("model.") and key.rsplit(".", 1)[-1] in ARCHITECTURE_KEYS)]
+    architecture = architecture_changes(saved["config"], args)
     mismatched = shape_mismatches(shapes, model)
     if architecture or mismatched:
         raise UserError(f"{run} holds a model of another shape ({', '.join(architecture) or 'tensor ' + mismatched[0]}"
                         "): resume with its config, or use another dump_dir")
+
+
+def architecture_changes(old_config: dict, args) -> list[str]:
+    """'key old -> new' for each architecture setting (and the tokenizer) that differs from a saved config."""
+    changes = config_changes(old_config, to_dict(args))
+    architecture = [key for key in changes if key == "data.tokenizer.name"
+                    or (key.startswith("model.") and key.rsplit(".", 1)[-1] in ARCHITECTURE_KEYS)]
+    return [f"{key} {changes[key][0]} -> {changes[key][1]}" for key in architecture]
 
 
 def _set_aside(checkpoints: CheckpointManager, path: Path, error: DamagedCheckpoint) -> None:

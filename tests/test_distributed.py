@@ -132,6 +132,27 @@ def test_init_from_loads_weights_only_into_a_sharded_model(corpus, tmp_path):
     assert state["config"]["init_from"] == str(source)
 
 
+def test_init_from_another_architecture_is_refused(corpus, tmp_path, capsys):
+    loop.train(BERT, load_config(BERT.args_cls, _train_argv(corpus, tmp_path / "source", 2)))
+    with pytest.raises(SystemExit) as exit_info:
+        loop.main(BERT, _train_argv(corpus, tmp_path / "run", 2, f"init_from={tmp_path / 'source'}",
+                                    "model.encoder.n_heads=4"))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "another architecture (model.encoder.n_heads 2 -> 4)" in err
+
+
+def test_an_error_on_one_rank_stops_every_rank_in_one_line(tmp_path):
+    """A source with one line gives rank 1 no data: both ranks say so, nothing is written, nothing hangs."""
+    (tmp_path / "data" / "tiny").mkdir(parents=True)
+    (tmp_path / "data" / "tiny" / "train.00000.jsonl").write_text(json.dumps({"text": "one line " * 10}) + "\n")
+    (tmp_path / "data" / "tiny" / "valid.jsonl").write_text(json.dumps({"text": "word " * 400}) + "\n")
+    dump = tmp_path / "run"
+    result = torchrun("-m", "apps.bert.train", *_train_argv(tmp_path / "data", dump, 2), check=False)
+    assert result.stderr.count("error: data source 'tiny' is too small to give rank 1 of 2 any line") == 2
+    assert "]: Traceback" not in result.stderr
+    assert not (dump / "config.yaml").exists() and not (dump / "metrics.jsonl").exists()
+
+
 def test_init_from_a_missing_path_is_one_line(corpus, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         loop.main(BERT, tiny_argv(corpus, tmp_path / "run", 2) + [f"init_from={tmp_path / 'nowhere'}"])

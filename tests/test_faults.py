@@ -1,6 +1,7 @@
 """Faults a run meets on a real machine or cluster: each ends in one line or an automatic recovery, and nothing that
 was saved is lost. The commands run in-process through `main`, as the command line runs them."""
 
+import json
 import math
 import os
 import shutil
@@ -275,6 +276,8 @@ BAD_KNOBS = [
     (["model.mask_ratio=0.01"], "mask_ratio 0.01 masks 0 of 32 tokens per sequence"),
     (["device=tpu"], "device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
     (["dump_dir="], "config key 'dump_dir' is empty"),
+    (["distributed.stop_signal=SIGKILL"], "config key 'distributed.stop_signal' must be one of SIGUSR2"),
+    (["distributed.fsdp_type=ddp"], "config key 'distributed.fsdp_type' must be one of full_shard"),
     (["steps=ten"], "config key 'steps' expects an integer"),
     (["seed=1e30"], "config key 'seed' expects an integer (below 2^63 in size)"),
     (["seed=-1"], "config key 'seed' must be >= 0"),
@@ -333,6 +336,42 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_with_the_stop_status(corpus, tmp_pa
     monkeypatch.undo()
     assert run_main(tiny_argv(corpus, dump, steps=6), capsys)[0] == 0
     assert sorted(read_metrics(dump)) == list(range(1, 7))
+
+
+def _signal_during_step(monkeypatch, step: int, signum: int) -> None:
+    original, calls = loop.clip_gradients, []
+
+    def clip_then_signal(model, max_norm):
+        calls.append(1)
+        if len(calls) == step:
+            os.kill(os.getpid(), signum)
+        return original(model, max_norm)
+
+    monkeypatch.setattr(loop, "clip_gradients", clip_then_signal)
+
+
+def test_the_evaluation_a_stop_skipped_runs_on_resume(corpus, tmp_path, capsys, monkeypatch):
+    dump = tmp_path / "run"
+    _signal_during_step(monkeypatch, 10, signal.SIGTERM)  # step 10 validates (validation.every=10)
+    assert run_main(tiny_argv(corpus, dump, steps=20), capsys)[0] == loop.EXIT_STOPPED
+    validated = lambda: [json.loads(line)["step"] for line in (dump / "metrics.jsonl").read_text().splitlines()  # noqa
+                         if "val/loss" in line]
+    assert validated() == []
+    monkeypatch.undo()
+    assert run_main(tiny_argv(corpus, dump, steps=20), capsys)[0] == 0
+    assert validated() == [10, 20]
+
+
+def test_preemption_without_scontrol_still_exits_cleanly(corpus, tmp_path, capsys, monkeypatch):
+    """SIGUSR2 in a SLURM job whose container has no scontrol: saved, a warning, exit 0."""
+    dump = tmp_path / "run"
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol anywhere
+    _signal_during_step(monkeypatch, 3, signal.SIGUSR2)
+    status, err = run_main(tiny_argv(corpus, dump, steps=40), capsys)
+    assert status == 0 and err == ""
+    assert checkpoint_names(dump) == ["0000000003"]
+    assert "cannot requeue SLURM job 42" in (dump / "train.log").read_text()
 
 
 def test_a_failed_save_says_why_and_keeps_the_previous_checkpoint(corpus, tmp_path, capsys, monkeypatch):
