@@ -78,7 +78,7 @@ def _train_argv(corpus: Path, dump: Path, steps: int, *extra) -> list[str]:
     return [*tiny_argv(corpus, dump, steps), "checkpoint.every=10", *extra]
 
 
-@pytest.mark.parametrize("app", ["bert", "crossbert"])
+@pytest.mark.parametrize("app", ["bert", "crossbert", "electra"])
 def test_torchrun_trains_and_writes_once(corpus, tmp_path, app):
     dump = tmp_path / "run"
     result = torchrun("-m", f"apps.{app}.train", *_train_argv(corpus, dump, 12))

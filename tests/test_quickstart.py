@@ -10,6 +10,7 @@ import pytest
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
+from apps.electra.train import APP as ELECTRA
 from lingua.args import load_config
 from lingua.tokenizer import default_tokenizer_dir
 from lingua.train import train
@@ -25,7 +26,7 @@ needs_real_pieces = pytest.mark.skipif(
 
 
 @needs_real_pieces
-@pytest.mark.parametrize("name, app", [("bert", BERT), ("crossbert", CROSSBERT)])
+@pytest.mark.parametrize("name, app", [("bert", BERT), ("crossbert", CROSSBERT), ("electra", ELECTRA)])
 def test_debug_config_trains_on_the_sample(name, app, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the configs name data/ relative to the repository root
     dump = tmp_path / "run"

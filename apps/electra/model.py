@@ -1,0 +1,163 @@
+"""ELECTRA: replaced-token detection (Clark et al., 2020), the paper's third model (section 5.1, Table 3).
+
+A small generator (a masked language model over the shared backbone's blocks) fills each masked position with a
+token sampled from its own prediction; the discriminator, the encoder that evaluation probes, labels every token of
+the corrupted sequence original or replaced. Loss = MLM loss of the generator + rtd_weight x RTD loss.
+
+- Token embeddings are shared: the generator reads them and its output head is tied to them.
+- Masking has static shapes (exactly round(mask_ratio * S) positions per row, by random permutation), and the
+  sampling is inverse-CDF sampling with one uniform number per masked position, drawn in `make_batch` from the
+  loop's generator: `forward` makes no random draw (exact resume, fullgraph compile), and no gradient flows through
+  the sampling.
+- A sampled token equal to the original counts as original.
+"""
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lingua.args import at_least, require
+from lingua.flops import encoder_flops_per_token
+from lingua.masking import gather_tokens, masked_lm_loss, num_masked, random_positions
+from lingua.transformer import (
+    Encoder,
+    RMSNorm,
+    RotaryEmbedding,
+    SelfAttentionBlock,
+    TransformerArgs,
+    default_positions,
+    head_dim_of,
+    init_weights,
+)
+
+
+@dataclass
+class GeneratorArgs:
+    """The generator has the discriminator's width (it reads the shared embeddings) and its own depth and heads."""
+
+    n_layers: int | None = None  # default: a quarter of the discriminator's depth, at least one layer
+    n_heads: int | None = None  # default: the discriminator's
+
+    def __post_init__(self):
+        at_least(self, 1, "n_layers", "n_heads")
+
+
+@dataclass
+class ElectraArgs:
+    encoder: TransformerArgs = field(default_factory=TransformerArgs)  # the discriminator
+    generator: GeneratorArgs = field(default_factory=GeneratorArgs)
+    mask_ratio: float = 0.15  # ELECTRA's
+    rtd_weight: float = 50.0  # λ: the RTD loss is per token and easy, so it is weighted up (ELECTRA's value)
+
+    def __post_init__(self):
+        require(0 < self.mask_ratio < 1, "mask_ratio", f"must be strictly between 0 and 1, got {self.mask_ratio}")
+        require(self.rtd_weight >= 0, "rtd_weight", f"must be >= 0, got {self.rtd_weight}")
+
+    def generator_transformer(self) -> TransformerArgs:
+        enc, gen = self.encoder, self.generator
+        n_heads = gen.n_heads or enc.n_heads
+        return replace(enc, n_layers=gen.n_layers or max(1, enc.n_layers // 4), n_heads=n_heads,
+                       head_dim=enc.head_dim if n_heads == enc.n_heads else None)
+
+
+class Generator(nn.Module):
+    """Self-attention blocks and a final norm over embeddings it is given (the discriminator's)."""
+
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        self.rope = RotaryEmbedding(head_dim_of(args), args.max_seqlen, args.rope_theta)
+        self.layers = nn.ModuleList(SelfAttentionBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        rope = self.rope(positions)
+        for layer in self.layers:
+            h = layer(h, rope, None)
+        return self.norm(h)
+
+
+def sample_replacements(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per position from softmax(logits) [B, M, V], by inverse CDF at uniforms [B, M] in [0, 1): the first
+    token whose cumulative probability exceeds u (so a token of probability zero is never picked)."""
+    cdf = logits.float().softmax(-1).cumsum(-1)
+    picked = torch.searchsorted(cdf, uniforms.unsqueeze(-1), right=True).squeeze(-1)
+    return picked.clamp_max(logits.shape[-1] - 1)  # u above a cumulative sum that rounds below 1
+
+
+def corrupt(tokens: torch.Tensor, mask_idx: torch.Tensor, sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The discriminator's input and its labels (1: replaced); a sampled token equal to the original is original."""
+    corrupted = tokens.scatter(1, mask_idx, sampled)
+    return corrupted, (corrupted != tokens).float()
+
+
+class Electra(nn.Module):
+    views_per_sequence = 1  # each data token is processed once per step, by both networks
+
+    def __init__(self, args: ElectraArgs, vocab_size: int, mask_id: int):
+        super().__init__()
+        self.args, self.mask_id = args, mask_id
+        self.discriminator = Encoder(args.encoder, vocab_size)
+        self.generator = Generator(args.generator_transformer())
+        self.rtd_head = nn.Linear(args.encoder.dim, 1, bias=False)
+
+    def make_batch(self, tokens: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        B, S = tokens.shape
+        n_masked = num_masked(self.args.mask_ratio, S)
+        mask_idx = random_positions(B, S, generator, tokens.device)[:, :n_masked]
+        return {
+            "tokens": tokens,
+            "inputs": tokens.scatter(1, mask_idx, self.mask_id),
+            "mask_idx": mask_idx,
+            "uniforms": torch.rand(B, n_masked, generator=generator, device=tokens.device),  # for the sampling
+        }
+
+    def forward(self, tokens, inputs, mask_idx, uniforms) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mlm_loss, rtd_loss, stats = self.losses(tokens, inputs, mask_idx, uniforms)
+        return mlm_loss + self.args.rtd_weight * rtd_loss, stats
+
+    def losses(self, tokens, inputs, mask_idx, uniforms):
+        """The generator's MLM loss, the discriminator's RTD loss (gradients reach the generator only through the
+        first: the sampling is not differentiated) and the logged stats."""
+        embeddings = self.discriminator.tok_embeddings
+        positions = default_positions(tokens)
+        hidden = self.generator(embeddings(inputs), positions)
+        logits = F.linear(gather_tokens(hidden, mask_idx), embeddings.weight)
+        targets = tokens.gather(1, mask_idx)
+        mlm_loss, mlm_stats = masked_lm_loss(logits, targets)
+        with torch.no_grad():
+            corrupted, labels = corrupt(tokens, mask_idx, sample_replacements(logits, uniforms))
+        rtd_logits = self.rtd_head(self.discriminator(corrupted, positions)).squeeze(-1).float()
+        rtd_loss = F.binary_cross_entropy_with_logits(rtd_logits, labels)
+        stats = {"accuracy": ((rtd_logits > 0).float() == labels).float().mean().detach(),
+                 "mlm_loss": mlm_loss.detach(), "rtd_loss": rtd_loss.detach(),
+                 "generator_accuracy": mlm_stats["accuracy"], "replaced": labels.mean()}
+        return mlm_loss, rtd_loss, stats
+
+    def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["tokens"].numel()  # the discriminator labels every token
+
+    def encode(self, tokens, pad_mask=None, all_layers: bool = False):
+        """The discriminator on the full, uncorrupted sequence (evaluation)."""
+        return self.discriminator.encode(tokens, pad_mask, all_layers)
+
+    def flops_per_token_view(self, seq_len: int) -> float:
+        """Eq. 7 for the discriminator and for the generator (both process every token), plus the generator's tied
+        output head on its masked positions, 6 d V r per token: a large share of a small generator's cost, and with
+        it the single-scale config gives Table 3's 7.5e19 FLOPs (eq. 7 leaves BERT's own head out, as the paper
+        does)."""
+        vocab = self.discriminator.tok_embeddings.num_embeddings
+        head = 6 * self.args.encoder.dim * vocab * self.args.mask_ratio
+        return (encoder_flops_per_token(self.args.encoder, seq_len)
+                + encoder_flops_per_token(self.args.generator_transformer(), seq_len) + head)
+
+    def sharding_units(self) -> list[nn.Module]:
+        return [*self.discriminator.layers, *self.generator.layers]
+
+    def init_weights(self) -> None:
+        init_weights(self, self.args.encoder.init_std)
+
+
+def build_electra(args: ElectraArgs, tokenizer) -> Electra:
+    return Electra(args, tokenizer.vocab_size, tokenizer.mask_id)
