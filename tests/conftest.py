@@ -3,6 +3,11 @@
 import importlib.util
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
 import random
 from pathlib import Path
 
@@ -87,3 +92,18 @@ def load_setup_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def kill_after_first_checkpoint_then_restart(module: str, argv: list[str], dump_dir: Path) -> None:
+    """Runs `python -m module argv`, SIGKILLs it once a checkpoint past step 5 is complete, then runs it again to
+    the end."""
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", module, *argv]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((dump_dir / "checkpoints").glob("00000000[1-9][05]")):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    subprocess.run(cmd, cwd=repo, env=env, check=True, capture_output=True)

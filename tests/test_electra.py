@@ -2,17 +2,12 @@
 run that resumes exactly (sampling included), and the frozen GLUE command on its checkpoint."""
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, tiny_argv
+from conftest import kill_after_first_checkpoint_then_restart, read_metrics, tiny_argv
 
 from apps.electra.model import Electra, ElectraArgs, GeneratorArgs, corrupt, sample_replacements
 from apps.electra.train import APP
@@ -96,18 +91,9 @@ def test_single_scale_config_matches_table_3():
 
 def test_debug_run_loss_falls_and_resumes_exactly_after_a_kill(corpus, tmp_path):
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    argv = tiny_argv(corpus, killed, steps=30) + ["checkpoint.every=5", "model.generator.n_layers=1"]
-    cmd = [sys.executable, "-m", "apps.electra.train", *argv]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and not list((killed / "checkpoints").glob("00000000[1-9][05]")):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
-    train(APP, load_config(APP.args_cls, tiny_argv(corpus, reference, 30) + ["checkpoint.every=5",
-                                                                              "model.generator.n_layers=1"]))
+    options = ["checkpoint.every=5", "model.generator.n_layers=1"]
+    kill_after_first_checkpoint_then_restart("apps.electra.train", tiny_argv(corpus, killed, 30) + options, killed)
+    train(APP, load_config(APP.args_cls, tiny_argv(corpus, reference, 30) + options))
     expected, got = read_metrics(reference), read_metrics(killed)
     assert sorted(got) == list(range(1, 31))
     assert all(got[s]["loss"] == expected[s]["loss"] and got[s]["replaced"] == expected[s]["replaced"] for s in got)

@@ -164,7 +164,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(corpus, tmp_pa
     if (name, how) == ("manifest.json", "missing"):  # a checkpoint of an older version: it loads as it is
         assert "resumed from" in log and "0000000020" in log.split("resumed from")[-1].splitlines()[0]
         return
-    reason = "its weights or optimizer state are not all finite" if how == "overwritten" and name.endswith(".distcp") else name
+    nan_bytes = how == "overwritten" and name.endswith(".distcp")
+    reason = "its weights or optimizer state are not all finite" if nan_bytes else name
     assert f"checkpoint 0000000020 is damaged ({reason}" in log
     assert checkpoint_names(damaged) == ["0000000010", "0000000020", "0000000020.damaged"]
     reference, continued = read_metrics(full), read_metrics(damaged)

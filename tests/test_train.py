@@ -6,15 +6,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, tiny_argv
+from conftest import kill_after_first_checkpoint_then_restart, read_metrics, tiny_argv
 
 from apps.bert.train import APP
-from lingua.args import UserError, load_config
+from lingua.args import load_config
 from lingua.checkpoint import load_model
 from lingua.train import train
 
@@ -57,16 +56,8 @@ def test_exact_resume(corpus, tmp_path):
 
 def test_sigkill_then_restart_continues_exactly(corpus, tmp_path):
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    argv = tiny_argv(corpus, killed, steps=30) + ["checkpoint.every=5"]
-    cmd = [sys.executable, "-m", "apps.bert.train", *argv]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and not list((killed / "checkpoints").glob("00000000[1-9]0")):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+    kill_after_first_checkpoint_then_restart("apps.bert.train", tiny_argv(corpus, killed, 30) + ["checkpoint.every=5"],
+                                             killed)
     run(tiny_argv(corpus, reference, steps=30) + ["checkpoint.every=5"])
     expected, got = read_metrics(reference), read_metrics(killed)
     assert sorted(got) == list(range(1, 31))
