@@ -3,9 +3,11 @@
 An app is a folder `apps/<name>/` with
 - `model.py`: its model args (a dataclass, validated in `__post_init__`), its model (a plain `nn.Module` following
   `EncoderModel` below) and `build_<name>(args, tokenizer)`;
-- `train.py`: `<Name>TrainArgs(TrainArgs)` adding `model: <Name>Args`, and `APP = App(...)`, then `main(APP)`;
+- `train.py`: `<Name>TrainArgs(TrainArgs)` adding `model: <Name>Args`, and a module-level `APP = App(...)` (checkpoints
+  store the module's name and rebuild the model through it), then `main(APP)`;
 - `configs/*.yaml`.
-The loop builds the model on the meta device, parallelises it, materialises it and calls `init_weights`; it owns
+The model args hold the backbone as `encoder: TransformerArgs` (the loop reads `encoder.max_seqlen`; resuming compares
+the architecture fields of every `TransformerArgs` under `model`). The loop builds the model on the meta device, parallelises it, materialises it and calls `init_weights`; it owns
 the data, the optimizer, the schedule, checkpoints, logging and the random generator; the model owns its masking,
 its loss, its FLOPs and its shape. No app imports another: what several apps share lives in `lingua/` (for
 example `lingua/masking.py`).

@@ -293,6 +293,7 @@ class StopSignal:
     def __init__(self, preemption: str = "SIGUSR2"):
         self.signals = {signal.SIGTERM, signal.SIGINT, signal.Signals[preemption]}
         self.received: str | None = None
+        self.announced = False
         self.group = None
 
     @property
@@ -310,23 +311,25 @@ class StopSignal:
             signal.signal(s, handler)
 
     def _handle(self, signum, frame):
-        name = signal.Signals(signum).name
+        """Only records the signal: a handler that logged could wait on a lock its interrupted thread holds."""
         if signum == signal.SIGINT and self.received == "SIGINT":
             raise KeyboardInterrupt
-        logger.warning(f"received {name}: saving a checkpoint and stopping"
-                       + (" (Ctrl-C again to stop without saving)" if signum == signal.SIGINT else ""))
-        self.received = self.received or name
+        self.received = self.received or signal.Signals(signum).name
 
     def agreed(self) -> bool:
         """True on every rank once any rank received a stop signal; all ranks call this after every step."""
-        if self.group is None:
-            return self.requested
-        codes = list(signal.Signals.__members__)
-        flag = torch.tensor([codes.index(self.received) + 1 if self.received else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if flag.item() and not self.received:
-            self.received = codes[flag.item() - 1]
-            logger.warning(f"another rank received {self.received}: saving a checkpoint and stopping")
+        noticed = self.received
+        if self.group is not None:
+            codes = list(signal.Signals.__members__)
+            flag = torch.tensor([codes.index(self.received) + 1 if self.received else 0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            if flag.item() and not self.received:
+                self.received = codes[flag.item() - 1]
+        if self.received and not self.announced:
+            self.announced = True
+            source = "received" if noticed else "another rank received"
+            logger.warning(f"{source} {self.received}: saving a checkpoint and stopping"
+                           + (" (Ctrl-C again to stop without saving)" if self.received == "SIGINT" else ""))
         return self.requested
 
 

@@ -1,6 +1,7 @@
 """Several processes on the CPU (gloo): torchrun launches of the real commands, FSDP2 equivalence, checkpoints
 across world sizes, preemption, the launch environment of SLURM, the data re-partition."""
 
+import contextlib
 import json
 import os
 import signal
@@ -27,9 +28,25 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
-def torchrun(*args, procs=2, check=True, **kwargs) -> subprocess.CompletedProcess:
+def start(cmd: list, **kwargs) -> subprocess.Popen:
+    """A launcher in its own process group, so that a test that times out can end its workers too."""
+    return subprocess.Popen(cmd, cwd=REPO, env=ENV, text=True, start_new_session=True, **kwargs)
+
+
+def end(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def torchrun(*args, procs=2, check=True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", *map(str, args)]
-    result = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300, **kwargs)
+    proc = start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        end(proc)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if check and result.returncode:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
@@ -164,7 +181,7 @@ def test_preemption_signal_to_one_rank_stops_all_at_one_step(corpus, tmp_path):
     dump = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "apps.bert.train",
            *_train_argv(corpus, dump, 100_000, "checkpoint.every=1000", "validation.every=0")]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (dump / "metrics.jsonl").exists():
@@ -176,7 +193,7 @@ def test_preemption_signal_to_one_rank_stops_all_at_one_step(corpus, tmp_path):
         os.kill(next(p for p in workers if p != rank0), signal.SIGUSR2)  # rank 1 only
         output, _ = proc.communicate(timeout=120)
     finally:
-        proc.kill()
+        end(proc)
     assert proc.returncode == 0, output
     saved = CheckpointManager(dump / "checkpoints", CheckpointArgs()).complete_checkpoints()
     assert len(saved) == 1 and len(list(saved[0].glob("train_state_*.json"))) == 2

@@ -39,7 +39,7 @@ def test_replacement_labels_count_a_sampled_original_as_original():
 
 def test_inverse_cdf_sampling():
     logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [-1e4, 5.0, -1e4, -1e4]]])
-    picks = [sample_replacements(logits, torch.tensor([[u, u]])).tolist()[0] for u in (0.0, 0.3, 0.6, 0.9999999)]
+    picks = [sample_replacements(logits, torch.tensor([[u, u]])).tolist()[0] for u in (0.0, 0.3, 0.6, 1 - 2**-24)]
     assert [p[0] for p in picks] == [0, 1, 2, 3]  # uniform distribution: the quarter u falls in
     assert all(p[1] == 1 for p in picks)  # a peaked one: always its mode
     uniforms = torch.rand(1, 20000)
@@ -91,13 +91,15 @@ def test_single_scale_config_matches_table_3():
 
 def test_debug_run_loss_falls_and_resumes_exactly_after_a_kill(corpus, tmp_path):
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    options = ["checkpoint.every=5", "model.generator.n_layers=1"]
+    options = ["checkpoint.every=5", "model.generator.n_layers=1", "optim.lr=1e-3"]
     kill_after_first_checkpoint_then_restart("apps.electra.train", tiny_argv(corpus, killed, 30) + options, killed)
     train(APP, load_config(APP.args_cls, tiny_argv(corpus, reference, 30) + options))
     expected, got = read_metrics(reference), read_metrics(killed)
     assert sorted(got) == list(range(1, 31))
     assert all(got[s]["loss"] == expected[s]["loss"] and got[s]["replaced"] == expected[s]["replaced"] for s in got)
     assert sum(expected[s]["mlm_loss"] for s in range(26, 31)) < sum(expected[s]["mlm_loss"] for s in range(1, 6))
+    # the discriminator beats calling every token original
+    assert sum(expected[s]["accuracy"] - (1 - expected[s]["replaced"]) for s in range(26, 31)) / 5 > 0.005
     assert expected[30]["predicted_tokens_per_s"] == pytest.approx(expected[30]["data_tokens_per_s"], rel=0.01)
 
 

@@ -80,10 +80,11 @@ class Generator(nn.Module):
 
 def sample_replacements(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per position from softmax(logits) [B, M, V], by inverse CDF at uniforms [B, M] in [0, 1): the first
-    token whose cumulative probability exceeds u (so a token of probability zero is never picked)."""
+    token whose cumulative probability exceeds u (so a token of probability zero is never picked). Computed in fp32
+    (bf16 logits under autocast shift the distribution by under 1%)."""
     cdf = logits.float().softmax(-1).cumsum(-1)
-    picked = torch.searchsorted(cdf, uniforms.unsqueeze(-1), right=True).squeeze(-1)
-    return picked.clamp_max(logits.shape[-1] - 1)  # u above a cumulative sum that rounds below 1
+    scaled = uniforms.unsqueeze(-1) * cdf[..., -1:]  # the float sum may end just below 1: stay inside it
+    return torch.searchsorted(cdf, scaled, right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
 
 
 def corrupt(tokens: torch.Tensor, mask_idx: torch.Tensor, sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
