@@ -283,6 +283,20 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 # ------------------------------------------------------------------------------------------------ stop signals
 
 
+@contextlib.contextmanager
+def stop_signals_held_for_the_main_thread(preemption: str):
+    """Blocks the stop signals in this (main) thread while a run starts, so the threads it starts (the process
+    group's, the data loader's) inherit the block and never receive them: a signal landing in a thread that waits
+    in a socket call interrupts that call, which a collective may not survive. `StopSignal` unblocks them in the
+    main thread alone; one sent meanwhile waits until then. The mask is restored on exit."""
+    signals = {signal.SIGTERM, signal.SIGINT, signal.Signals[preemption]}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 class StopSignal:
     """SIGTERM, the configured preemption signal (SIGUSR2: SLURM's warning before the time limit) and SIGINT
     (Ctrl-C) request a checkpoint and a clean stop. A second Ctrl-C interrupts at once, without saving.
@@ -302,11 +316,15 @@ class StopSignal:
 
     def __enter__(self):
         self.previous = {s: signal.signal(s, self._handle) for s in self.signals}
+        for s in self.signals:
+            signal.siginterrupt(s, False)  # restart the main thread's interrupted system calls
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)  # this thread alone receives them
         if dist.is_initialized():  # a CPU group, so agreeing never waits for the GPU stream
             self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
         return self
 
     def __exit__(self, *exc):
+        signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 

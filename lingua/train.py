@@ -61,6 +61,7 @@ from lingua.distributed import (
     requeue_slurm_job,
     resolve_device,
     set_gradient_sync,
+    stop_signals_held_for_the_main_thread,
 )
 from lingua.files import remove_partial_writes
 from lingua.flops import count_params
@@ -235,15 +236,16 @@ def train(app: App, args) -> dict[str, Any]:
     if args.eval.every > 0:
         check_args(args.eval)  # a bad GLUE path fails now, not at the first evaluation
         args.eval.max_len = min(args.eval.max_len or args.data.seq_len, args.model.encoder.max_seqlen)
-    init_process_group(launch, device, args.distributed.timeout_minutes)
-    try:
-        dump_dir = Path(args.dump_dir)
-        on_all_ranks(lambda: _make_folder(dump_dir))
-        with RunLock(dump_dir):
-            setup_logging(dump_dir / "train.log", launch.rank)
-            return _train(app, args, dump_dir, device, launch)
-    finally:
-        destroy_process_group()
+    with stop_signals_held_for_the_main_thread(args.distributed.stop_signal):
+        init_process_group(launch, device, args.distributed.timeout_minutes)
+        try:
+            dump_dir = Path(args.dump_dir)
+            on_all_ranks(lambda: _make_folder(dump_dir))
+            with RunLock(dump_dir):
+                setup_logging(dump_dir / "train.log", launch.rank)
+                return _train(app, args, dump_dir, device, launch)
+        finally:
+            destroy_process_group()
 
 
 def _make_folder(folder: Path) -> None:
