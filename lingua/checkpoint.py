@@ -296,14 +296,19 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
 def _load_folder(path: Path, device):
     model, config, tokenizer = build_from_params(verify(path), device)
     _check_shapes(path, saved_shapes(path), model)
+    _load_folder_weights(path, model)
+    return model.eval(), config, tokenizer
+
+
+def _load_folder_weights(path: Path, model: nn.Module) -> None:
+    """The model part of a DCP checkpoint into `model`, sharded or not."""
     state = {"model": get_model_state_dict(model)}
     try:
         with _dcp_quietly():
             dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as e:
         raise DamagedCheckpoint(short_reason(e)) from None
-    model.load_state_dict(state["model"])
-    return model.eval(), config, tokenizer
+    set_model_state_dict(model, state["model"])
 
 
 def _load_file(path: Path, device):
@@ -340,10 +345,7 @@ def load_weights(path: str | Path, model: nn.Module) -> dict:
         if path.is_dir():
             params = verify(path)
             _check_init_shapes(path, saved_shapes(path), model)
-            state = {"model": get_model_state_dict(model)}
-            with _dcp_quietly():
-                dcp.load(state, checkpoint_id=str(path))
-            set_model_state_dict(model, state["model"])
+            _load_folder_weights(path, model)
             return params["config"]
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except UserError:
