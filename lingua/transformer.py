@@ -3,7 +3,9 @@
 Positions are per token (`[batch, seq]`), so a sequence whose tokens were gathered out of order (CrossBERT's visible
 tokens) keeps each token's original position. Attention masks are described once, as per-token group ids
 (`AttnMask`): a query attends to a key iff their ids are equal. Each backend turns that description into its own
-mask format; `None` means full bidirectional attention.
+mask format; `None` means full bidirectional attention. Rows made of independent parts of static lengths (CrossBERT's
+two views) are described by `Segments` instead: each part's attention is computed on its own, with no mask and no
+score computed across parts.
 
 Models are built on the meta device and materialised by `init_weights` (truncated normal, std `init_std`).
 """
@@ -61,6 +63,15 @@ class AttnMask:
     kv_ids: torch.Tensor  # [B, Sk] integer
 
 
+@dataclass(frozen=True)
+class Segments:
+    """Every row is the same sequence of independent segments laid end to end: query segment i attends to key
+    segment i only. Lengths are static (Python ints), so shapes stay static under torch.compile."""
+
+    q_lengths: tuple[int, ...]
+    kv_lengths: tuple[int, ...]
+
+
 def padding_mask(pad_mask: torch.Tensor | None) -> AttnMask | None:
     """Keeps real tokens (pad_mask True) from attending to padding: real tokens get id 0, padding id 1."""
     if pad_mask is None:
@@ -69,10 +80,10 @@ def padding_mask(pad_mask: torch.Tensor | None) -> AttnMask | None:
     return AttnMask(ids, ids)
 
 
-def build_attn_bias(mask: AttnMask | None, backend: str, n_heads: int):
+def build_attn_bias(mask: AttnMask | Segments | None, backend: str, n_heads: int):
     """Translates the group-id mask into what `backend` consumes; built once per forward, shared by all layers."""
-    if mask is None:
-        return None
+    if mask is None or isinstance(mask, Segments):
+        return mask
     if backend == "sdpa":
         return (mask.q_ids[:, :, None] == mask.kv_ids[:, None, :])[:, None]  # [B, 1, Sq, Sk] bool
     if backend == "flex":
@@ -99,6 +110,8 @@ def _compiled_flex_attention():
 
 def attention(q, k, v, bias, backend: str) -> torch.Tensor:
     """q: [B, Sq, H, Dh], k/v: [B, Sk, H, Dh] -> [B, Sq, H, Dh]."""
+    if isinstance(bias, Segments):
+        return segmented_attention(q, k, v, bias, backend)
     if backend == "xformers":
         import xformers.ops as xops
 
@@ -111,6 +124,19 @@ def attention(q, k, v, bias, backend: str) -> torch.Tensor:
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     return out.transpose(1, 2)
+
+
+def segmented_attention(q, k, v, segments: Segments, backend: str) -> torch.Tensor:
+    """Unmasked attention within each segment. Equal segments fold into the batch ([B, n x L] -> [B n, L], a view,
+    one kernel call); unequal ones are computed one after the other."""
+    n = len(segments.q_lengths)
+    if len(set(segments.q_lengths)) == 1 and len(set(segments.kv_lengths)) == 1:
+        def fold(t):
+            return t.reshape(t.shape[0] * n, t.shape[1] // n, *t.shape[2:])
+
+        return attention(fold(q), fold(k), fold(v), None, backend).reshape(q.shape)
+    parts = zip(q.split(segments.q_lengths, 1), k.split(segments.kv_lengths, 1), v.split(segments.kv_lengths, 1))
+    return torch.cat([attention(*part, None, backend) for part in parts], 1)
 
 
 class RMSNorm(nn.Module):
@@ -250,7 +276,7 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(SelfAttentionBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, tokens, positions, mask: AttnMask | None = None, all_layers: bool = False):
+    def forward(self, tokens, positions, mask: AttnMask | Segments | None = None, all_layers: bool = False):
         """tokens, positions: [B, S] -> final hidden states [B, S, D] after the final norm.
 
         With all_layers, a list of every block's output (the residual stream), the last one after the final norm.

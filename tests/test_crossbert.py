@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import read_metrics, tiny_argv
 
-from apps.crossbert.model import CrossBert, CrossBertArgs, PredictorArgs, predictor_flops_per_token
+from apps.crossbert.model import CrossBert, CrossBertArgs, PredictorArgs, predictor_flops_per_token, view_ids
 from apps.crossbert.train import APP
 from lingua.args import UserError, load_config
 from lingua.checkpoint import load_model
@@ -22,8 +22,9 @@ TINY = TransformerArgs(dim=32, n_layers=4, n_heads=4, max_seqlen=64)
 VOCAB, B, S = 50, 3, 24
 
 
-def build(mask_ratio=0.5, cms=True, predictor=None, vocab=VOCAB) -> CrossBert:
-    args = CrossBertArgs(encoder=TINY, predictor=predictor or PredictorArgs(), mask_ratio=mask_ratio, cms=cms)
+def build(mask_ratio=0.5, cms=True, predictor=None, vocab=VOCAB, cms_attention="segments") -> CrossBert:
+    args = CrossBertArgs(encoder=TINY, predictor=predictor or PredictorArgs(), mask_ratio=mask_ratio, cms=cms,
+                         cms_attention=cms_attention)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = CrossBert(args, vocab)
@@ -38,6 +39,12 @@ def split(model, tokens, seed=0):
 
 def tokens(seed=0):
     return torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def views(ratio):
+    """Which view (0: A, 1: B) each position of a CMS encoder row and of a predictor row belongs to."""
+    n_masked = round(ratio * S)
+    return view_ids((S - n_masked, n_masked), "cpu")[0], view_ids((n_masked, S - n_masked), "cpu")[0]
 
 
 def sorted_rows(x):
@@ -76,9 +83,9 @@ def test_cms_packs_two_complementary_views_and_predicts_every_token_once(ratio):
     batch = split(model, x)
     n_masked = round(ratio * S)
     assert model.views_per_sequence == 2
-    for key in ("inputs", "positions", "query_positions", "targets", "encoder_views", "query_views"):
+    for key in ("inputs", "positions", "query_positions", "targets"):
         assert batch[key].shape == (B, S), key
-    enc_view, q_view = batch["encoder_views"][0], batch["query_views"][0]
+    enc_view, q_view = views(ratio)
     assert enc_view.tolist() == [0] * (S - n_masked) + [1] * n_masked
     assert q_view.tolist() == [0] * n_masked + [1] * (S - n_masked)
     # Every position is predicted exactly once, with its own token as target.
@@ -106,11 +113,14 @@ def replace_at(x, positions):
     return x.scatter(1, positions, (x.gather(1, positions) + 1) % VOCAB)
 
 
-@pytest.mark.parametrize("ratio", [0.5, 0.65])
-def test_no_leakage_between_views_in_outputs(ratio):
-    model, x = build(ratio), tokens()
+CMS_CASES = [(ratio, attention) for ratio in (0.5, 0.65) for attention in ("segments", "mask")]
+
+
+@pytest.mark.parametrize("ratio,cms_attention", CMS_CASES)
+def test_no_leakage_between_views_in_outputs(ratio, cms_attention):
+    model, x = build(ratio, cms_attention=cms_attention), tokens()
     batch = split(model, x)
-    q_view = batch["query_views"][0]
+    q_view = views(ratio)[1]
     out = predictions(model, batch)
     for view in (0, 1):
         hidden = batch["query_positions"][:, q_view == view]  # what this view must predict
@@ -129,14 +139,14 @@ def test_no_leakage_without_cms():
     assert not torch.allclose(predictions(model, split(model, replace_at(x, batch["positions"][:, :1]))), out)
 
 
-@pytest.mark.parametrize("ratio", [0.5, 0.65])
-def test_no_gradient_flows_from_a_views_loss_to_the_other_views_tokens(ratio):
-    model = build(ratio)
+@pytest.mark.parametrize("ratio,cms_attention", CMS_CASES)
+def test_no_gradient_flows_from_a_views_loss_to_the_other_views_tokens(ratio, cms_attention):
+    model = build(ratio, cms_attention=cms_attention)
     batch = split(model, tokens())
     embedded = []
     model.encoder.tok_embeddings.register_forward_hook(lambda mod, inp, out: embedded.append(out) or out.retain_grad())
     logits = model.encoder.logits(predictions(model, batch))
-    enc_view, q_view = batch["encoder_views"][0], batch["query_views"][0]
+    enc_view, q_view = views(ratio)
     for view in (0, 1):
         model.zero_grad()
         picked = q_view == view
@@ -147,6 +157,19 @@ def test_no_gradient_flows_from_a_views_loss_to_the_other_views_tokens(ratio):
         assert torch.equal(grad[:, enc_view != view], torch.zeros_like(grad[:, enc_view != view]))
         assert (grad[:, enc_view == view].abs().sum(-1) > 0).all()
         embedded[0].grad = None
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.65])
+def test_segmented_views_compute_what_the_dense_view_mask_computes(ratio):
+    """Per-view attention (no mask) against the reference: both views in one attention with a dense view mask."""
+    segmented, masked = build(ratio), build(ratio, cms_attention="mask")
+    batch = split(segmented, tokens())
+    losses = [model(**batch)[0] for model in (segmented, masked)]
+    assert torch.allclose(predictions(segmented, batch), predictions(masked, batch), atol=1e-6)
+    for loss in losses:
+        loss.backward()
+    for (name, p), q in zip(segmented.named_parameters(), masked.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name
 
 
 def test_predictor_queries_do_not_see_each_other():

@@ -8,9 +8,12 @@ its queries never attend to each other, so it cannot reconstruct a token from th
 
 Complementary Masking Strategy (CMS, on by default): view A keeps the visible set and predicts the masked set, view B
 keeps the masked set and predicts the visible set. Both views of a sequence are packed into one encoder row of S
-tokens (A's S - M visible tokens, then B's M) and one row of S predictor queries (A's M, then B's S - M), with
-per-token view ids as attention masks so nothing crosses between the views. Shapes are static for any ratio, and
-every token of every sequence gets exactly one prediction per step.
+tokens (A's S - M visible tokens, then B's M) and one row of S predictor queries (A's M, then B's S - M). Shapes are
+static for any ratio, and every token of every sequence gets exactly one prediction per step. Nothing crosses
+between the views: by default (`cms_attention: segments`) each view's attention is computed on its own, with no
+mask (at ratio 0.5 the two halves of a row fold into two rows of S/2); `cms_attention: mask` computes attention over
+the whole row with a dense view mask instead, which gives the same outputs at about twice the attention cost (kept
+as the reference the tests compare against, and for the benchmark).
 """
 
 import dataclasses
@@ -28,6 +31,7 @@ from lingua.transformer import (
     Encoder,
     RMSNorm,
     RotaryEmbedding,
+    Segments,
     TransformerArgs,
     build_attn_bias,
     head_dim_of,
@@ -50,15 +54,21 @@ class PredictorArgs:
         at_least(self, 1, "n_layers", "dim", "n_heads", "head_dim")
 
 
+CMS_ATTENTION = ("segments", "mask")
+
+
 @dataclass
 class CrossBertArgs:
     encoder: TransformerArgs = field(default_factory=TransformerArgs)
     predictor: PredictorArgs = field(default_factory=PredictorArgs)
     mask_ratio: float = 0.5  # the paper's CrossBERT
     cms: bool = True
+    cms_attention: str = "segments"  # segments: each view attends on its own | mask: one dense view mask per row
 
     def __post_init__(self):
         require(0 < self.mask_ratio < 1, "mask_ratio", f"must be strictly between 0 and 1, got {self.mask_ratio}")
+        require(self.cms_attention in CMS_ATTENTION, "cms_attention",
+                f"must be one of {', '.join(CMS_ATTENTION)}, got '{self.cms_attention}'")
 
     def predictor_transformer(self) -> TransformerArgs:
         """The predictor's block shapes; norms, RoPE, init and attention backend are the encoder's."""
@@ -113,7 +123,7 @@ class Predictor(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output_proj = nn.Linear(args.dim, encoder_dim, bias=False) if resize else nn.Identity()
 
-    def forward(self, context, context_positions, query_positions, mask: AttnMask | None) -> torch.Tensor:
+    def forward(self, context, context_positions, query_positions, mask: AttnMask | Segments | None) -> torch.Tensor:
         """context [B, Sk, D_enc] at context_positions [B, Sk]; queries at query_positions [B, Q] -> [B, Q, D_enc]."""
         h = self.mask_embedding.expand(*query_positions.shape, -1)
         context = self.context_proj(context)
@@ -122,6 +132,11 @@ class Predictor(nn.Module):
         for layer in self.layers:
             h = layer(h, context, q_rope, kv_rope, bias)
         return self.output_proj(self.norm(h))
+
+
+def view_ids(lengths: tuple[int, int], device) -> torch.Tensor:
+    """[1, sum(lengths)]: 0 for the positions of view A's part of a CMS row, 1 for view B's."""
+    return torch.cat([torch.full((n,), view, device=device) for view, n in enumerate(lengths)])[None]
 
 
 class CrossBert(nn.Module):
@@ -141,10 +156,7 @@ class CrossBert(nn.Module):
         masked, visible = perm[:, :n_masked].sort(1).values, perm[:, n_masked:].sort(1).values
         if not self.args.cms:
             return self._rows(tokens, visible, masked)
-        encoder_views = (torch.arange(S, device=tokens.device) >= S - n_masked).long().repeat(B, 1)
-        query_views = (torch.arange(S, device=tokens.device) >= n_masked).long().repeat(B, 1)
-        batch = self._rows(tokens, torch.cat([visible, masked], 1), torch.cat([masked, visible], 1))
-        return batch | {"encoder_views": encoder_views, "query_views": query_views}
+        return self._rows(tokens, torch.cat([visible, masked], 1), torch.cat([masked, visible], 1))
 
     @staticmethod
     def _rows(tokens, encoder_positions, query_positions) -> dict[str, torch.Tensor]:
@@ -155,15 +167,25 @@ class CrossBert(nn.Module):
             "targets": tokens.gather(1, query_positions),
         }
 
-    def forward(self, inputs, positions, query_positions, targets, encoder_views=None, query_views=None):
-        logits = self.encoder.logits(self.predict(inputs, positions, query_positions, encoder_views, query_views))
+    def forward(self, inputs, positions, query_positions, targets):
+        logits = self.encoder.logits(self.predict(inputs, positions, query_positions))
         return masked_lm_loss(logits, targets)
 
-    def predict(self, inputs, positions, query_positions, encoder_views=None, query_views=None) -> torch.Tensor:
-        """Predictor outputs [B, Q, D_enc] before the tied head; view ids (CMS) keep each view to itself."""
-        views = encoder_views is not None
-        h = self.encoder(inputs, positions, AttnMask(encoder_views, encoder_views) if views else None)
-        return self.predictor(h, positions, query_positions, AttnMask(query_views, encoder_views) if views else None)
+    def predict(self, inputs, positions, query_positions) -> torch.Tensor:
+        """Predictor outputs [B, Q, D_enc] before the tied head; with CMS each view attends within itself only."""
+        encoder_mask, predictor_mask = self.view_masks(*inputs.shape) if self.args.cms else (None, None)
+        h = self.encoder(inputs, positions, encoder_mask)
+        return self.predictor(h, positions, query_positions, predictor_mask)
+
+    def view_masks(self, batch: int, seq_len: int) -> tuple[AttnMask | Segments, AttnMask | Segments]:
+        """The encoder's and the predictor's attention structure for CMS rows of seq_len tokens."""
+        n_masked = num_masked(self.args.mask_ratio, seq_len)
+        encoder_lengths, query_lengths = (seq_len - n_masked, n_masked), (n_masked, seq_len - n_masked)
+        if self.args.cms_attention == "segments":
+            return Segments(encoder_lengths, encoder_lengths), Segments(query_lengths, encoder_lengths)
+        encoder_views, query_views = (view_ids(lengths, self.predictor.mask_embedding.device).expand(batch, -1)
+                                      for lengths in (encoder_lengths, query_lengths))
+        return AttnMask(encoder_views, encoder_views), AttnMask(query_views, encoder_views)
 
     def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["targets"].numel()
