@@ -12,7 +12,7 @@ from torch import nn
 
 from lingua.args import require
 from lingua.flops import encoder_flops_per_token
-from lingua.masking import gather_tokens, masked_lm_loss, num_masked, random_positions
+from lingua.masking import gather_tokens, num_masked, random_positions
 from lingua.transformer import Encoder, TransformerArgs, default_positions, init_weights
 
 
@@ -44,8 +44,7 @@ class Bert(nn.Module):
 
     def forward(self, inputs, mask_idx, targets) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         h = self.encoder(inputs, default_positions(inputs))
-        logits = self.encoder.logits(gather_tokens(h, mask_idx))
-        return masked_lm_loss(logits, targets)
+        return self.encoder.lm_loss(gather_tokens(h, mask_idx), targets)
 
     def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["targets"].numel()

@@ -24,7 +24,7 @@ from torch import nn
 
 from lingua.args import at_least, require
 from lingua.flops import encoder_flops_per_token, non_embedding_params
-from lingua.masking import masked_lm_loss, num_masked, random_positions
+from lingua.masking import num_masked, random_positions
 from lingua.transformer import (
     AttnMask,
     CrossAttentionBlock,
@@ -168,8 +168,7 @@ class CrossBert(nn.Module):
         }
 
     def forward(self, inputs, positions, query_positions, targets):
-        logits = self.encoder.logits(self.predict(inputs, positions, query_positions))
-        return masked_lm_loss(logits, targets)
+        return self.encoder.lm_loss(self.predict(inputs, positions, query_positions), targets)
 
     def predict(self, inputs, positions, query_positions) -> torch.Tensor:
         """Predictor outputs [B, Q, D_enc] before the tied head; with CMS each view attends within itself only."""

@@ -1,0 +1,47 @@
+"""The shared masked-LM loss: the chunked output head against the plain logits + cross-entropy."""
+
+import pytest
+import torch
+
+from lingua.masking import chunked_lm_loss, masked_lm_loss
+
+N, D, V = 37, 16, 29
+
+
+def inputs(dtype=torch.float64):
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, N, D, generator=generator, dtype=dtype).requires_grad_()
+    weight = torch.randn(V, D, generator=generator, dtype=dtype).requires_grad_()
+    return hidden, weight, torch.randint(0, V, (3, N), generator=generator)
+
+
+def loss_and_grads(loss_fn):
+    hidden, weight, targets = inputs()
+    loss, stats = loss_fn(hidden, weight, targets)
+    (3 * loss).backward()  # a scale on the loss reaches both gradients
+    return loss, stats["accuracy"], hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("chunk", [1, 10, 37, 111, 4096])
+def test_chunked_head_equals_the_whole_logits(chunk):
+    expected = loss_and_grads(lambda h, w, t: masked_lm_loss(h @ w.t(), t))
+    got = loss_and_grads(lambda h, w, t: chunked_lm_loss(h, w, t, chunk))
+    for name, a, b in zip(("loss", "accuracy", "grad hidden", "grad weight"), got, expected):
+        assert torch.allclose(a, b.to(a.dtype), rtol=1e-10, atol=1e-7), name  # accuracy: fp32 in the reference
+
+
+def test_chunked_head_without_grad_computes_no_gradient():
+    hidden, weight, targets = inputs(torch.float32)
+    with torch.no_grad():
+        loss, stats = chunked_lm_loss(hidden, weight, targets, 8)
+    assert loss.grad_fn is None and not stats["accuracy"].requires_grad
+    assert torch.allclose(loss, masked_lm_loss(hidden @ weight.t(), targets)[0], atol=1e-5)
+
+
+def test_chunked_head_in_bf16_sums_in_fp32():
+    hidden, weight, targets = inputs(torch.float32)
+    loss, stats = chunked_lm_loss(hidden.bfloat16(), weight.bfloat16(), targets, 8)
+    loss.backward()
+    assert not stats["accuracy"].requires_grad
+    assert loss.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    assert torch.allclose(loss, masked_lm_loss(hidden @ weight.t(), targets)[0], rtol=2e-2)
