@@ -13,6 +13,7 @@ its loss, its FLOPs and its shape. No app imports another: what several apps sha
 example `lingua/masking.py`).
 """
 
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -44,7 +45,11 @@ class EncoderModel(Protocol):
         after the final norm (padding, pad_mask False, hidden), or every layer's output with all_layers."""
 
     def flops_per_token_view(self, seq_len: int) -> float:
-        """Training FLOPs per token-view (forward and backward), as the paper counts them: MFU and compute."""
+        """Training FLOPs per token-view (forward and backward), as the paper counts them (eq. 7-8): the compute C."""
+
+    def head_flops_per_token_view(self, seq_len: int) -> float:
+        """The FLOPs per token-view of the output heads that `flops_per_token_view` leaves out (the paper's
+        convention); the sum of both is what a step runs, and what MFU counts."""
 
     def sharding_units(self) -> list[nn.Module]:
         """The modules FSDP shards, compiles and checkpoints one by one (the transformer blocks); the rest (the
@@ -59,3 +64,8 @@ class App:
     name: str  # the module that defines APP, e.g. "apps.bert.train"; stored with checkpoints to rebuild the model
     args_cls: type  # a TrainArgs subclass with a `model` field
     build_model: Callable[[Any, Any], EncoderModel]  # (model args, tokenizer) -> model, called on the meta device
+
+    @property
+    def model_args_cls(self) -> type:
+        """The dataclass of the `model` section of the app's config."""
+        return typing.get_type_hints(self.args_cls)["model"]

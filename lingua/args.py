@@ -46,9 +46,10 @@ def at_least(cfg: Any, minimum: float, *names: str) -> None:
         require(value is None or value >= minimum, name, f"must be >= {minimum}, got {value}")
 
 
-def load_config(cls: type[T], argv: list[str]) -> T:
-    """Build `cls` from `config=PATH` (optional) followed by dotted `key=value` overrides, in order."""
-    tree: dict[str, Any] = {}
+def load_config(cls: type[T], argv: list[str], base: dict[str, Any] | None = None) -> T:
+    """Build `cls` from `base` (a nested dict), then `config=PATH` (optional) and dotted `key=value` overrides, in
+    order."""
+    tree: dict[str, Any] = dict(base or {})
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep or not key:

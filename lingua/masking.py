@@ -41,7 +41,8 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
                     chunk_tokens: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`masked_lm_loss(hidden @ weight.T, targets)` without the [tokens, vocab] logits ever existing whole: the
     logits of chunk_tokens rows at a time, whose gradients are computed at once and kept (2 d V FLOPs forward and 4
-    backward, as unchunked). Exact up to float summation order."""
+    backward, as unchunked). Exact up to float summation order; a prediction counts as correct when the target's
+    logit is the largest (a tie, which argmax would break by index, counts too)."""
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss, accuracy = _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), chunk_tokens,
                                                       with_grad)
@@ -52,25 +53,23 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens, with_grad):
         n = hidden.shape[0]
-        grad_hidden = torch.empty_like(hidden) if with_grad else None
         precision = torch.promote_types(hidden.dtype, torch.float32)  # bf16 logits are summed in fp32
+        grad_hidden = torch.empty_like(hidden) if with_grad else None
         grad_weight = torch.zeros_like(weight, dtype=precision) if with_grad else None
         loss_sum = hidden.new_zeros((), dtype=precision)
         correct = hidden.new_zeros((), dtype=precision)
         for start in range(0, n, chunk_tokens):
-            h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
-            logits = (h @ weight.t()).to(precision)
-            log_z = logits.logsumexp(-1)
-            loss_sum = loss_sum + (log_z - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            correct = correct + (logits.argmax(-1) == t).sum()
-            if with_grad:  # d(mean loss)/d(logits) = (softmax - one_hot) / n
-                grad_logits = (logits - log_z[:, None]).exp_()
-                grad_logits.scatter_add_(1, t[:, None], grad_logits.new_full((len(t), 1), -1.0)).div_(n)
-                grad_logits = grad_logits.to(h.dtype)
+            h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens, None]
+            log_probs = (h @ weight.t()).to(precision).log_softmax(-1)  # one fused pass over [chunk, vocab]
+            target_log_probs = log_probs.gather(1, t)
+            loss_sum = loss_sum - target_log_probs.sum()
+            correct = correct + (target_log_probs.squeeze(1) >= log_probs.amax(-1)).sum()
+            if with_grad:  # d(summed loss)/d(logits) = softmax - one_hot; the 1/n is applied once, in backward
+                grad_logits = log_probs.exp_().scatter_add_(1, t, log_probs.new_full(t.shape, -1.0)).to(h.dtype)
                 grad_hidden[start:start + chunk_tokens] = grad_logits @ weight.to(h.dtype)
                 grad_weight += (grad_logits.t() @ h).to(precision)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
+        ctx.n, ctx.weight_dtype = n, weight.dtype
         accuracy = correct / n
         ctx.mark_non_differentiable(accuracy)
         return loss_sum / n, accuracy
@@ -78,4 +77,5 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_accuracy):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None
+        scale = grad_loss / ctx.n
+        return grad_hidden * scale.to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype), None, None, None

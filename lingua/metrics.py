@@ -19,12 +19,30 @@ logger = logging.getLogger(__name__)
 @dataclass
 class LoggingArgs:
     freq: int = 10  # steps between metric lines
-    peak_tflops: float = 989.0  # per device, for MFU; 989 = H100 SXM dense bf16. Set to your hardware's peak.
+    peak_tflops: float | None = None  # per device, for MFU; default: the GPU's dense bf16 peak if it is known
     wandb_project: str = ""  # log to wandb too when set (needs `pip install wandb`)
 
     def __post_init__(self):
         at_least(self, 1, "freq")
-        require(self.peak_tflops > 0, "peak_tflops", f"must be > 0, got {self.peak_tflops}")
+        require(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops",
+                f"must be > 0, got {self.peak_tflops}")
+
+
+# Dense (not 2:4 sparse) bf16 tensor-core peaks from the vendors' data sheets, matched in this order against
+# torch.cuda.get_device_name(), so "H100 PCIe" is found before "H100".
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H800", 989.0), ("H200", 989.0),
+                    ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0))
+
+
+def peak_flops(args: LoggingArgs, device: torch.device) -> float | None:
+    """FLOP/s of one device for MFU: logging.peak_tflops if set, else the table's entry for this GPU; None (MFU
+    unknown) for a CPU or an unlisted GPU."""
+    if args.peak_tflops is not None:
+        return args.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS if key in name), None)
 
 
 def setup_logging(log_file: Path | None = None, rank: int = 0) -> None:
@@ -106,10 +124,10 @@ def format_progress(record: dict[str, Any], total_steps: int) -> str:
         ("lr", "lr {:.2e}"),
         ("grad_norm", "gnorm {:.2f}"),
         ("data_tokens_per_s", "{:,.0f} tok/s"),
-        ("mfu", "mfu {:.2%}"),
+        ("mfu", "mfu {:.1%}"),
         ("data_wait", "data wait {:.0%}"),
         ("memory_gib", "mem {:.1f}GiB"),
     ]:
         if key in record:
-            parts.append(fmt.format(record[key]))
+            parts.append(fmt.format(record[key]) if record[key] is not None else fmt.split()[0] + " unknown")
     return " | ".join(parts)

@@ -70,6 +70,7 @@ from lingua.metrics import (
     LoggingArgs,
     MetricLogger,
     format_progress,
+    peak_flops,
     peak_memory_gib,
     setup_logging,
 )
@@ -149,16 +150,23 @@ class Throughput:
     """Tokens per second and MFU of all ranks together over the steps since the last report, and the share of this
     rank's time spent waiting for its data loader."""
 
-    def __init__(self, model, args: TrainArgs, world_size: int):
+    def __init__(self, model, args: TrainArgs, world_size: int, device: torch.device):
         self.world_size = world_size
         seqs = args.data.batch_size * args.grad_acc_steps * world_size
         self.per_step = {
             "data_tokens": seqs * args.data.seq_len,
             "token_views": seqs * args.data.seq_len * model.views_per_sequence,
         }
-        self.flops_per_view = model.flops_per_token_view(args.data.seq_len)
-        self.peak = args.logging.peak_tflops * 1e12 * world_size
+        self.flops_per_view = model.flops_per_token_view(args.data.seq_len)  # the paper's count (no output head)
+        self.flops_per_view_with_head = self.flops_per_view + model.head_flops_per_token_view(args.data.seq_len)
+        peak = peak_flops(args.logging, device)
+        self.peak = peak * world_size if peak else None
         self.start, self.steps, self.predicted, self.waited = time.perf_counter(), 0, 0, 0.0
+
+    def compute(self, token_views: int) -> dict[str, float]:
+        """The run's compute so far: eq. 6 as the paper counts it (no output head), and all the FLOPs it ran."""
+        return {"compute_flops": token_views * self.flops_per_view,
+                "compute_flops_with_head": token_views * self.flops_per_view_with_head}
 
     def exclude(self, seconds: float) -> None:
         """Time spent outside training steps (validation, probes, checkpoints) does not count."""
@@ -176,7 +184,7 @@ class Throughput:
             "data_tokens_per_s": self.steps * self.per_step["data_tokens"] / elapsed,
             "token_views_per_s": views_per_s,
             "predicted_tokens_per_s": self.predicted / elapsed,
-            "mfu": self.flops_per_view * views_per_s / self.peak,
+            "mfu": self.flops_per_view_with_head * views_per_s / self.peak if self.peak else None,
             "data_wait": self.waited / elapsed,
         }
         self.start, self.steps, self.predicted, self.waited = time.perf_counter(), 0, 0, 0.0
@@ -286,7 +294,7 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
     val_tokens = None
     if args.validation.every > 0:  # every rank holds all rows; `validate` splits each chunk over the ranks
         val_tokens = load_validation(args.data, tokenizer, args.validation.n_sequences)
-    throughput = Throughput(model, args, world_size)
+    throughput = Throughput(model, args, world_size, device)
     logger.info(
         f"{app.name}: {count_params(model):,} parameters ({count_params(model, embeddings=False):,} outside the "
         f"embedding) on {world_size} process(es) ({launch.source}, {device.type}"
@@ -326,7 +334,7 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
                 guard.check()
                 last = {"step": step, **window.means(), "lr": lr, **throughput.report(),
                         "data_tokens": state["data_tokens"],
-                        "compute_flops": state["data_tokens"] * model.views_per_sequence * throughput.flops_per_view,
+                        **throughput.compute(state["data_tokens"] * model.views_per_sequence),
                         "memory_gib": peak_memory_gib(device), "malformed_lines": loader.malformed_lines}
                 last |= reduce_over_ranks(last, device, maximum=("memory_gib", "data_wait"), total=("malformed_lines",))
                 first_loss = last["loss"] if first_loss is None else first_loss

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lingua.args import require
-from lingua.flops import encoder_flops_per_token
+from lingua.flops import encoder_flops_per_token, output_head_flops
 from lingua.masking import gather_tokens, num_masked, random_positions
 from lingua.transformer import Encoder, TransformerArgs, default_positions, init_weights
 
@@ -54,6 +54,10 @@ class Bert(nn.Module):
 
     def flops_per_token_view(self, seq_len: int) -> float:
         return encoder_flops_per_token(self.args.encoder, seq_len)
+
+    def head_flops_per_token_view(self, seq_len: int) -> float:
+        return output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings) * \
+            self.args.mask_ratio
 
     def sharding_units(self) -> list[nn.Module]:
         """The modules FSDP shards (and compiles, and checkpoints) one by one; the rest stays with the root."""

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lingua.args import at_least, require
-from lingua.flops import encoder_flops_per_token, non_embedding_params
+from lingua.flops import encoder_flops_per_token, non_embedding_params, output_head_flops
 from lingua.masking import num_masked, random_positions
 from lingua.transformer import (
     AttnMask,
@@ -197,6 +197,11 @@ class CrossBert(nn.Module):
         return crossbert_flops_per_token_view(
             self.args.encoder, self.args.predictor_transformer(), self.args.mask_ratio, seq_len, self.args.cms
         )
+
+    def head_flops_per_token_view(self, seq_len: int) -> float:
+        """With CMS every token is predicted once per two token-views; without, the masked fraction."""
+        predicted = 0.5 if self.args.cms else self.args.mask_ratio
+        return output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings) * predicted
 
     def sharding_units(self) -> list[nn.Module]:
         """The modules FSDP shards (and compiles, and checkpoints) one by one; the rest stays with the root."""

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lingua.args import at_least, require
-from lingua.flops import encoder_flops_per_token
+from lingua.flops import encoder_flops_per_token, output_head_flops
 from lingua.masking import gather_tokens, masked_lm_loss, num_masked, random_positions
 from lingua.transformer import (
     Encoder,
@@ -149,9 +149,13 @@ class Electra(nn.Module):
         it the single-scale config gives Table 3's 7.5e19 FLOPs (eq. 7 leaves BERT's own head out, as the paper
         does)."""
         vocab = self.discriminator.tok_embeddings.num_embeddings
-        head = 6 * self.args.encoder.dim * vocab * self.args.mask_ratio
+        head = output_head_flops(self.args.encoder.dim, vocab) * self.args.mask_ratio
         return (encoder_flops_per_token(self.args.encoder, seq_len)
                 + encoder_flops_per_token(self.args.generator_transformer(), seq_len) + head)
+
+    def head_flops_per_token_view(self, seq_len: int) -> float:
+        """The RTD head on every token (the generator's head is already in `flops_per_token_view`)."""
+        return output_head_flops(self.args.encoder.dim, 1)
 
     def sharding_units(self) -> list[nn.Module]:
         return [*self.discriminator.layers, *self.generator.layers]

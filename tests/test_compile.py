@@ -1,0 +1,45 @@
+"""Every app's training step (masking outside, forward and loss, backward) traces as one graph (fullgraph=True: a
+graph break raises) and is not recompiled across steps with new random batches (torch's compile counters)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from apps.benchmark import load_app
+from lingua.args import load_config
+from lingua.distributed import build_model
+
+VOCAB = 64
+TINY = ["encoder.dim=32", "encoder.n_layers=2", "encoder.n_heads=4", "encoder.max_seqlen=32", "encoder.head_chunk=16"]
+APPS = {
+    "bert": [],
+    "crossbert": [],
+    "crossbert, ratio 0.65": ["mask_ratio=0.65"],
+    "crossbert, dense view mask": ["cms_attention=mask"],
+    "crossbert, no CMS": ["cms=false"],
+    "electra": [],
+}
+
+
+@pytest.mark.parametrize("variant", APPS)
+def test_training_step_compiles_as_one_graph_and_never_recompiles(variant):
+    app = load_app(variant.split(",")[0])
+    model_args = load_config(app.model_args_cls, TINY + APPS[variant])
+    model = build_model(app.build_model, model_args, SimpleNamespace(vocab_size=VOCAB, mask_id=VOCAB - 1),
+                        torch.device("cpu"))
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")  # Dynamo and AOT autograd, without Inductor's code generation
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        batch = model.make_batch(torch.randint(0, VOCAB - 4, (2, 24), generator=generator), generator)
+        loss, stats = compiled(**batch)
+        loss.backward()
+        if step == 0:
+            eager_loss, _ = model(**batch)
+            assert torch.allclose(loss, eager_loss, atol=1e-5)
+            assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times in 3 steps"
+    torch._dynamo.reset()
