@@ -9,7 +9,8 @@ drift hits every app alike. Printed and written per app: median step time and it
 token-views/s, predicted tokens/s, FLOPs per step as the paper counts them (eq. 7-8, no output head) and with the
 output heads, achieved FLOP/s, MFU (with the head, against the device's peak; unknown on a CPU) and peak memory
 (GPU); then each app's measured speed-up over the reference (BERT if listed, else the first app) in token-views/s,
-beside the speed-up each FLOPs count predicts.
+beside the speed-up each FLOPs count predicts. `hf-modernbert` in the list adds HuggingFace transformers'
+ModernBERT MLM at the same shape, an outside reference for BERT's speed (`pip install transformers`).
 """
 
 import json
@@ -28,10 +29,12 @@ import yaml
 from lingua.args import UserError, at_least, load_config, require, to_dict
 from lingua.distributed import DistributedArgs, Launch, autocast, build_model, resolve_device
 from lingua.files import atomic_write
+from lingua.flops import encoder_flops_per_token
+from lingua.masking import num_masked, random_positions
 from lingua.metrics import LoggingArgs, peak_flops, setup_logging
 from lingua.optim import OptimArgs, build_optimizer
 from lingua.train import clip_gradients
-from lingua.transformer import TransformerArgs
+from lingua.transformer import TransformerArgs, ffn_hidden_dim
 
 logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
@@ -116,16 +119,71 @@ def load_app(name: str):
         raise UserError(f"unknown app '{name}' in apps= (an app is a folder apps/<name>/ with a train.py)") from None
 
 
-def build(label: str, args: BenchmarkArgs, device: torch.device) -> Contender:
+class HFModernBert(torch.nn.Module):
+    """HuggingFace transformers' ModernBERT MLM at the benchmark's shape: every layer global attention, the SwiGLU
+    width as its GeGLU width, BERT's masking (20%), logits of the masked positions only (`sparse_prediction`)."""
+
+    views_per_sequence = 1
+    mask_ratio = 0.2
+
+    def __init__(self, args: BenchmarkArgs):
+        super().__init__()
+        try:
+            from transformers import ModernBertConfig, ModernBertForMaskedLM
+        except ImportError:
+            raise UserError("hf-modernbert needs HuggingFace transformers: pip install transformers") from None
+        enc, vocab = args.encoder, args.vocab_size
+        require(enc.head_dim in (None, enc.dim // enc.n_heads), "encoder.head_dim", "must be dim // n_heads for "
+                "hf-modernbert")
+        self.encoder_args, self.mask_id = enc, vocab - 1
+        self.model = ModernBertForMaskedLM(ModernBertConfig(
+            vocab_size=vocab, hidden_size=enc.dim, intermediate_size=ffn_hidden_dim(enc.dim, enc.ffn_multiple_of),
+            num_hidden_layers=enc.n_layers, num_attention_heads=enc.n_heads, max_position_embeddings=enc.max_seqlen,
+            layer_types=["full_attention"] * enc.n_layers, sparse_prediction=True, attn_implementation="sdpa",
+            bos_token_id=vocab - 4, cls_token_id=vocab - 4, eos_token_id=vocab - 3, sep_token_id=vocab - 3,
+            pad_token_id=vocab - 2))
+
+    def make_batch(self, tokens, generator):
+        n_masked = num_masked(self.mask_ratio, tokens.shape[1])
+        mask_idx = random_positions(*tokens.shape, generator, tokens.device)[:, :n_masked]
+        labels = torch.full_like(tokens, -100).scatter(1, mask_idx, tokens.gather(1, mask_idx))
+        return {"input_ids": tokens.scatter(1, mask_idx, self.mask_id), "labels": labels}
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss, {}
+
+    def predicted_tokens(self, batch) -> int:
+        return batch["labels"].shape[0] * num_masked(self.mask_ratio, batch["labels"].shape[1])
+
+    def flops_per_token_view(self, seq_len: int) -> float:
+        return encoder_flops_per_token(self.encoder_args, seq_len)  # the same matrices as BERT's
+
+    def head_flops_per_token_view(self, seq_len: int) -> float:
+        dim = self.encoder_args.dim  # its head: a dim x dim dense layer, then the tied decoder
+        return 6 * (dim * dim + dim * self.model.config.vocab_size) * self.mask_ratio
+
+
+def build_contender_model(label: str, args: BenchmarkArgs, device: torch.device) -> torch.nn.Module:
     name, *spec = label.split("+")
+    if name.strip() == "hf-modernbert":
+        require(not spec, "apps", "hf-modernbert takes no model overrides")
+        torch.manual_seed(args.seed)
+        model = HFModernBert(args).to(device)
+        for layer in model.model.model.layers if args.compile else []:
+            layer.compile()  # as the apps' blocks
+        return model
     app = load_app(name.strip())
     tokenizer = SimpleNamespace(vocab_size=args.vocab_size, mask_id=args.vocab_size - 1)
+    parallel = (DistributedArgs(compile=args.compile), Launch())
+    return build_model(app.build_model, model_args(app, spec, args), tokenizer, device, args.seed, parallel)
+
+
+def build(label: str, args: BenchmarkArgs, device: torch.device) -> Contender:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    parallel = (DistributedArgs(compile=args.compile), Launch())
-    model = build_model(app.build_model, model_args(app, spec, args), tokenizer, device, args.seed, parallel)
+    model = build_contender_model(label, args, device)
     contender = Contender(label, model, build_optimizer(model, OptimArgs()),
                           torch.Generator(device).manual_seed(args.seed), None)
     for _ in range(args.warmup):
@@ -141,11 +199,13 @@ def precision(dtype: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
-def step(contender: Contender, args: BenchmarkArgs, device: torch.device) -> float:
-    """One full training step on fresh random tokens; returns its wall-clock seconds."""
+def step(contender: Contender, args: BenchmarkArgs, device: torch.device, synchronise: bool = True) -> float:
+    """One full training step on fresh random tokens; returns its wall-clock seconds (on a GPU, waiting for the
+    device before and after unless told not to)."""
+    synchronise = synchronise and device.type == "cuda"
     tokens = torch.randint(0, args.vocab_size - 4, (args.batch_size, args.seq_len), device=device,
                            generator=contender.generator)
-    if device.type == "cuda":
+    if synchronise:
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     batch = contender.model.make_batch(tokens, contender.generator)
@@ -155,7 +215,7 @@ def step(contender: Contender, args: BenchmarkArgs, device: torch.device) -> flo
     clip_gradients(contender.model, 1.0)
     contender.optimizer.step()
     contender.optimizer.zero_grad(set_to_none=True)
-    if device.type == "cuda":
+    if synchronise:
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
 

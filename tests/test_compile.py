@@ -43,3 +43,18 @@ def test_training_step_compiles_as_one_graph_and_never_recompiles(variant):
             assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     assert counter.frame_count == 1, f"compiled {counter.frame_count} times in 3 steps"
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device synchronisation exists on GPUs only")
+@pytest.mark.parametrize("variant", APPS)
+def test_training_step_does_not_synchronise_with_the_host(variant):
+    from apps.benchmark import BenchmarkArgs, build, step
+
+    args = BenchmarkArgs(apps=variant.split(",")[0], batch_size=2, seq_len=24, vocab_size=VOCAB, warmup=1,
+                         encoder=load_config(load_app("bert").model_args_cls, TINY).encoder)
+    contender = build(args.apps, args, torch.device("cuda"))
+    torch.cuda.set_sync_debug_mode("error")  # a synchronising call raises
+    try:
+        step(contender, args, torch.device("cuda"), synchronise=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
