@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lingua.args import at_least, require
-from lingua.masking import chunked_lm_loss
+from lingua.masking import chunked_lm_loss, masked_lm_loss
 
 ATTN_BACKENDS = ("sdpa", "flex", "xformers")
 
@@ -37,10 +37,11 @@ class TransformerArgs:
     max_seqlen: int = 512
     init_std: float = 0.02
     attn_backend: str = "sdpa"  # sdpa (CPU and GPU) | flex (GPU, compiled flex_attention) | xformers (if installed)
-    head_chunk: int = 4096  # predicted tokens the output head and its loss take at a time: bounds the logits memory
+    head_chunk: int = 4096  # predicted tokens the output head and its loss take at a time; 0: all logits at once
 
     def __post_init__(self):
-        at_least(self, 1, "dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "max_seqlen", "head_chunk")
+        at_least(self, 1, "dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "max_seqlen")
+        at_least(self, 0, "head_chunk")
         for name in ("norm_eps", "rope_theta", "init_std"):
             require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         require(self.attn_backend in ATTN_BACKENDS, "attn_backend",
@@ -302,7 +303,10 @@ class Encoder(nn.Module):
 
     def lm_loss(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Cross-entropy (and accuracy) of the tied head's predictions from h [..., D] against targets [...],
-        head_chunk rows at a time: the [rows, vocab] logits never exist whole."""
+        head_chunk rows at a time: the [rows, vocab] logits never exist whole (head_chunk 0: they do, through
+        autograd, the plain way, kept as the reference)."""
+        if self.args.head_chunk == 0:
+            return masked_lm_loss(self.logits(h), targets)
         return chunked_lm_loss(h, self.tok_embeddings.weight, targets, self.args.head_chunk)
 
 

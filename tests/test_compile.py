@@ -19,6 +19,7 @@ APPS = {
     "crossbert, ratio 0.65": ["mask_ratio=0.65"],
     "crossbert, dense view mask": ["cms_attention=mask"],
     "crossbert, no CMS": ["cms=false"],
+    "crossbert, whole logits": ["encoder.head_chunk=0"],
     "electra": [],
 }
 
