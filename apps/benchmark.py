@@ -19,13 +19,13 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from importlib import import_module
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import yaml
 
+from lingua.app import app_variant
 from lingua.args import UserError, at_least, load_config, require, to_dict
 from lingua.distributed import DistributedArgs, Launch, autocast, build_model, resolve_device
 from lingua.files import atomic_write
@@ -101,24 +101,6 @@ class Contender:
     times: list[float] = field(default_factory=list)
 
 
-def model_args(app, spec: list[str], args: BenchmarkArgs):
-    """The app's model args: its single-scale config's model section (preset paper) or its defaults, the shared
-    backbone, then this app's own overrides."""
-    base: dict = {}
-    if args.preset == "paper":
-        config = REPO / "apps" / app.name.split(".")[1] / "configs" / "single_scale.yaml"
-        base = yaml.safe_load(config.read_text())["model"]
-    base["encoder"] = to_dict(args.encoder)
-    return load_config(app.model_args_cls, spec, base=base)
-
-
-def load_app(name: str):
-    try:
-        return import_module(f"apps.{name}.train").APP
-    except ModuleNotFoundError:
-        raise UserError(f"unknown app '{name}' in apps= (an app is a folder apps/<name>/ with a train.py)") from None
-
-
 class HFModernBert(torch.nn.Module):
     """HuggingFace transformers' ModernBERT MLM at the benchmark's shape: every layer global attention, the SwiGLU
     width as its GeGLU width, BERT's masking (20%), logits of the masked positions only (`sparse_prediction`)."""
@@ -164,18 +146,23 @@ class HFModernBert(torch.nn.Module):
 
 
 def build_contender_model(label: str, args: BenchmarkArgs, device: torch.device) -> torch.nn.Module:
-    name, *spec = label.split("+")
-    if name.strip() == "hf-modernbert":
-        require(not spec, "apps", "hf-modernbert takes no model overrides")
+    """The app's model: its single-scale config's model section (preset paper) or its defaults, the shared backbone,
+    then the label's own overrides."""
+    name = label.split("+")[0].strip()
+    if name == "hf-modernbert":
+        require(name == label, "apps", "hf-modernbert takes no model overrides")
         torch.manual_seed(args.seed)
         model = HFModernBert(args).to(device)
         for layer in model.model.model.layers if args.compile else []:
             layer.compile()  # as the apps' blocks
         return model
-    app = load_app(name.strip())
+    base, paper_config = {}, REPO / "apps" / name / "configs" / "single_scale.yaml"
+    if args.preset == "paper" and paper_config.exists():
+        base = yaml.safe_load(paper_config.read_text())["model"]
+    app, model_args = app_variant(label, base | {"encoder": to_dict(args.encoder)})
     tokenizer = SimpleNamespace(vocab_size=args.vocab_size, mask_id=args.vocab_size - 1)
     parallel = (DistributedArgs(compile=args.compile), Launch())
-    return build_model(app.build_model, model_args(app, spec, args), tokenizer, device, args.seed, parallel)
+    return build_model(app.build_model, model_args, tokenizer, device, args.seed, parallel)
 
 
 def build(label: str, args: BenchmarkArgs, device: torch.device) -> Contender:

@@ -16,10 +16,13 @@ example `lingua/masking.py`).
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import import_module
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from lingua.args import UserError, load_config
 
 
 class EncoderModel(Protocol):
@@ -69,3 +72,19 @@ class App:
     def model_args_cls(self) -> type:
         """The dataclass of the `model` section of the app's config."""
         return typing.get_type_hints(self.args_cls)["model"]
+
+
+def load_app(name: str) -> App:
+    """The App of apps/<name>/train.py."""
+    try:
+        return import_module(f"apps.{name}.train").APP
+    except ModuleNotFoundError:
+        raise UserError(f"unknown app '{name}' (an app is a folder apps/<name>/ with a train.py)") from None
+
+
+def app_variant(label: str, base: dict[str, Any]) -> tuple[App, Any]:
+    """`name` or `name+key=value+...` (e.g. `crossbert+cms=false`): the app and its model args, from `base` (a
+    nested dict of model fields) and then the label's overrides."""
+    name, *overrides = label.split("+")
+    app = load_app(name.strip())
+    return app, load_config(app.model_args_cls, overrides, base=base)

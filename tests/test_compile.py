@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from apps.benchmark import load_app
+from lingua.app import load_app
 from lingua.args import load_config
 from lingua.distributed import build_model
 
