@@ -73,10 +73,13 @@ def from_dict(cls: type[T], tree: dict[str, Any], prefix: str = "") -> T:
     values = {}
     for name, field in fields.items():
         key = prefix + name
-        if name in tree:
+        if dataclasses.is_dataclass(hints[name]) and isinstance(tree.get(name, {}), dict):
+            # a nested config starts from its field's default (which may differ from its class's defaults)
+            default = field.default_factory() if field.default_factory is not dataclasses.MISSING else None
+            base = to_dict(default) if dataclasses.is_dataclass(default) else {}
+            values[name] = from_dict(hints[name], _merge(base, tree.get(name, {})), key + ".")
+        elif name in tree:
             values[name] = _convert(hints[name], tree[name], key)
-        elif dataclasses.is_dataclass(hints[name]):
-            values[name] = from_dict(hints[name], {}, key + ".")
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise UserError(f"missing required config value '{key}'")
     try:

@@ -64,3 +64,18 @@ def test_dump_round_trip(tmp_path):
     cfg = load_config(Outer, ["steps=3", "sources.a=2"])
     dump_config(cfg, tmp_path / "config.yaml")
     assert load_config(Outer, [f"config={tmp_path / 'config.yaml'}"]) == cfg
+
+
+def test_a_nested_config_starts_from_its_fields_default():
+    @dataclass
+    class Inner:
+        a: int = 1
+        b: int = 2
+
+    @dataclass
+    class Outer:
+        inner: Inner = field(default_factory=lambda: Inner(a=10))
+
+    assert load_config(Outer, []).inner == Inner(a=10, b=2)
+    assert load_config(Outer, ["inner.b=5"]).inner == Inner(a=10, b=5)
+    assert load_config(Outer, ["inner.a=3"]).inner == Inner(a=3, b=2)
