@@ -223,7 +223,8 @@ def measure(args: BenchmarkArgs) -> dict:
     reference = "bert" if "bert" in results else labels[0]
     for result in results.values():
         result["vs_reference"] = speedups(result, results[reference])
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else f"cpu ({torch.get_num_threads()} threads)")
     return {"device": device_name, "peak_tflops": peak / 1e12 if peak else None, "reference": reference,
             "torch": torch.__version__, "args": to_dict(args), "results": results}
 

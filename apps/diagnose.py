@@ -62,7 +62,8 @@ class DiagnoseArgs:
 def make_sequences(task: str, period: int, n: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
     """[n, seq_len] byte sequences of the task."""
     if task == "pairs":
-        return torch.randint(0, BYTES, (n, (seq_len + 1) // 2), generator=generator).repeat_interleave(2, 1)[:, :seq_len]
+        halves = torch.randint(0, BYTES, (n, (seq_len + 1) // 2), generator=generator)
+        return halves.repeat_interleave(2, 1)[:, :seq_len]
     block = torch.randint(0, BYTES, (n, period), generator=generator)
     return block.repeat(1, -(-seq_len // period))[:, :seq_len]
 
@@ -103,7 +104,8 @@ def format_curves(curves: dict[str, list[float]], args: DiagnoseArgs) -> str:
     width = max(len("step"), *(len(label) for label in curves))
     lines = ["step".ljust(6) + "".join(label.rjust(width + 2) for label in curves)]
     for i in range(len(next(iter(curves.values())))):
-        lines.append(str((i + 1) * args.every).ljust(6) + "".join(f"{c[i]:.3f}".rjust(width + 2) for c in curves.values()))
+        values = "".join(f"{c[i]:.3f}".rjust(width + 2) for c in curves.values())
+        lines.append(str((i + 1) * args.every).ljust(6) + values)
     return "\n".join(lines)
 
 
