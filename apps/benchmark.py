@@ -30,7 +30,7 @@ from lingua.args import UserError, at_least, load_config, require, to_dict
 from lingua.distributed import DistributedArgs, Launch, autocast, build_model, resolve_device
 from lingua.files import atomic_write
 from lingua.flops import encoder_flops_per_token
-from lingua.masking import num_masked, random_positions
+from lingua.masking import masked_positions, num_masked
 from lingua.metrics import LoggingArgs, peak_flops, setup_logging
 from lingua.optim import OptimArgs, build_optimizer
 from lingua.train import clip_gradients
@@ -126,8 +126,7 @@ class HFModernBert(torch.nn.Module):
             pad_token_id=vocab - 2))
 
     def make_batch(self, tokens, generator):
-        n_masked = num_masked(self.mask_ratio, tokens.shape[1])
-        mask_idx = random_positions(*tokens.shape, generator, tokens.device)[:, :n_masked]
+        mask_idx = masked_positions(tokens, self.mask_ratio, generator)
         labels = torch.full_like(tokens, -100).scatter(1, mask_idx, tokens.gather(1, mask_idx))
         return {"input_ids": tokens.scatter(1, mask_idx, self.mask_id), "labels": labels}
 

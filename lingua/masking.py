@@ -25,6 +25,13 @@ def random_positions(batch: int, seq_len: int, generator: torch.Generator, devic
     return noise.argsort(dim=1)
 
 
+def masked_positions(tokens: torch.Tensor, mask_ratio: float, generator: torch.Generator) -> torch.Tensor:
+    """The round(mask_ratio * S) positions masked in each row of tokens [B, S], a random permutation's first ones
+    (unsorted): [B, M]."""
+    n_masked = num_masked(mask_ratio, tokens.shape[1])
+    return random_positions(*tokens.shape, generator, tokens.device)[:, :n_masked]
+
+
 def gather_tokens(h: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """h [B, S, D], index [B, K] -> [B, K, D]."""
     return h.gather(1, index.unsqueeze(-1).expand(-1, -1, h.shape[-1]))

@@ -74,6 +74,10 @@ class Segments:
     q_lengths: tuple[int, ...]
     kv_lengths: tuple[int, ...]
 
+    def __post_init__(self):
+        if len(self.q_lengths) != len(self.kv_lengths):
+            raise ValueError(f"{len(self.q_lengths)} query segments but {len(self.kv_lengths)} key segments")
+
 
 def padding_mask(pad_mask: torch.Tensor | None) -> AttnMask | None:
     """Keeps real tokens (pad_mask True) from attending to padding: real tokens get id 0, padding id 1."""

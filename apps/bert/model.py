@@ -12,7 +12,7 @@ from torch import nn
 
 from lingua.args import require
 from lingua.flops import encoder_flops_per_token, output_head_flops
-from lingua.masking import gather_tokens, num_masked, random_positions
+from lingua.masking import gather_tokens, masked_positions
 from lingua.transformer import Encoder, TransformerArgs, default_positions, init_weights
 
 
@@ -34,8 +34,7 @@ class Bert(nn.Module):
         self.encoder = Encoder(args.encoder, vocab_size)
 
     def make_batch(self, tokens: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        n_masked = num_masked(self.args.mask_ratio, tokens.shape[1])
-        mask_idx = random_positions(*tokens.shape, generator, tokens.device)[:, :n_masked]
+        mask_idx = masked_positions(tokens, self.args.mask_ratio, generator)
         return {
             "inputs": tokens.scatter(1, mask_idx, self.mask_id),
             "mask_idx": mask_idx,

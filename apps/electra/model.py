@@ -20,7 +20,7 @@ from torch import nn
 
 from lingua.args import at_least, require
 from lingua.flops import encoder_flops_per_token, output_head_flops
-from lingua.masking import gather_tokens, masked_lm_loss, num_masked, random_positions
+from lingua.masking import gather_tokens, masked_lm_loss, masked_positions
 from lingua.transformer import (
     Encoder,
     RMSNorm,
@@ -104,14 +104,12 @@ class Electra(nn.Module):
         self.rtd_head = nn.Linear(args.encoder.dim, 1, bias=False)
 
     def make_batch(self, tokens: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        B, S = tokens.shape
-        n_masked = num_masked(self.args.mask_ratio, S)
-        mask_idx = random_positions(B, S, generator, tokens.device)[:, :n_masked]
+        mask_idx = masked_positions(tokens, self.args.mask_ratio, generator)
         return {
             "tokens": tokens,
             "inputs": tokens.scatter(1, mask_idx, self.mask_id),
             "mask_idx": mask_idx,
-            "uniforms": torch.rand(B, n_masked, generator=generator, device=tokens.device),  # for the sampling
+            "uniforms": torch.rand(mask_idx.shape, generator=generator, device=tokens.device),  # for the sampling
         }
 
     def forward(self, tokens, inputs, mask_idx, uniforms) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
