@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from lingua.app import app_variant
-from lingua.args import UserError, at_least, load_config, require, to_dict
+from lingua.args import UserError, at_least, command_line, load_config, require, to_dict
 from lingua.distributed import DistributedArgs, Launch, autocast, build_model, resolve_device
 from lingua.files import atomic_write
 from lingua.flops import encoder_flops_per_token
@@ -301,7 +301,7 @@ def format_table(report_: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
+    with command_line(__doc__):
         args = parse_args(sys.argv[1:] if argv is None else argv)
         setup_logging()
         results = measure(args)
@@ -312,9 +312,6 @@ def main(argv: list[str] | None = None) -> None:
             except OSError as e:
                 raise UserError(f"cannot write {args.out}: {e.strerror}") from None
             print(f"results: {args.out}")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

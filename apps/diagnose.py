@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from lingua.app import app_variant
-from lingua.args import UserError, at_least, load_config, require, to_dict
+from lingua.args import at_least, command_line, load_config, require, to_dict
 from lingua.distributed import build_model
 from lingua.files import atomic_write
 from lingua.metrics import setup_logging
@@ -110,7 +110,7 @@ def format_curves(curves: dict[str, list[float]], args: DiagnoseArgs) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
+    with command_line(__doc__):
         args = load_config(DiagnoseArgs, sys.argv[1:] if argv is None else argv)
         setup_logging()
         labels = [label.strip() for label in args.apps.split(",") if label.strip()]
@@ -120,9 +120,6 @@ def main(argv: list[str] | None = None) -> None:
         print(format_curves(curves, args))
         if args.out:
             atomic_write(args.out, json.dumps({"args": to_dict(args), "every": args.every, "curves": curves}))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,13 @@ Each dataclass checks its own values in `__post_init__` with `require` / `at_lea
 adds the path of the enclosing config, so the message names the full key (`model.encoder.n_layers`).
 """
 
+import contextlib
 import dataclasses
+import functools
+import inspect
 import math
+import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -26,12 +31,34 @@ class UserError(Exception):
     """A mistake the user can fix (bad config, missing file); entry points print it on one line and exit 2."""
 
 
+class HelpRequested(Exception):
+    """`--help` (or `-h`) was given: `text` lists the keys; entry points print it and exit 0."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+
 class ConfigError(UserError):
     """An invalid value of config field `key` (relative to the dataclass that raised it)."""
 
     def __init__(self, key: str, problem: str):
         self.key, self.problem = key, problem
         super().__init__(f"config key '{key}' {problem}")
+
+
+@contextlib.contextmanager
+def command_line(usage: str):
+    """The body of a command's main: `--help` prints `usage` and the keys (exit 0); a UserError prints one line
+    (exit 2)."""
+    try:
+        yield
+    except HelpRequested as e:
+        print(f"{(usage or '').strip()}\n\n{e.text}")
+        sys.exit(0)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def require(condition: bool, key: str, problem: str) -> None:
@@ -49,6 +76,8 @@ def at_least(cfg: Any, minimum: float, *names: str) -> None:
 def load_config(cls: type[T], argv: list[str], base: dict[str, Any] | None = None) -> T:
     """Build `cls` from `base` (a nested dict), then `config=PATH` (optional) and dotted `key=value` overrides, in
     order."""
+    if "--help" in argv or "-h" in argv:
+        raise HelpRequested(config_help(cls, base))
     tree: dict[str, Any] = dict(base or {})
     for arg in argv:
         key, sep, value = arg.partition("=")
@@ -86,6 +115,53 @@ def from_dict(cls: type[T], tree: dict[str, Any], prefix: str = "") -> T:
         return cls(**values)
     except ConfigError as e:  # raised by cls.__post_init__ with the field's own name
         raise ConfigError(prefix + e.key, e.problem) from None
+
+
+def config_help(cls: type, base: dict[str, Any] | None = None) -> str:
+    """One line per key of `cls`, dotted: its type, its default (after `base`) and the comment beside its field."""
+    lines = ["keys (key=value; config=PATH reads a YAML file of them first):"]
+    for key, tp, default, comment in _help_rows(cls, base or {}, ""):
+        lines.append(f"  {key}: {tp} = {default}" + (f"  # {comment}" if comment else ""))
+    return "\n".join(lines)
+
+
+def _help_rows(cls: type, base: dict[str, Any], prefix: str):
+    hints, comments = typing.get_type_hints(cls), _field_comments(cls)
+    for field in dataclasses.fields(cls):
+        tp, key = hints[field.name], prefix + field.name
+        if dataclasses.is_dataclass(tp):
+            nested = base.get(field.name, {}) if isinstance(base.get(field.name), dict) else {}
+            yield from _help_rows(tp, nested, key + ".")
+            continue
+        if field.name in base:
+            default = base[field.name]
+        elif field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            default = "(required)"
+        yield key, _type_name(tp), default if default == "(required)" else repr(default), comments.get(field.name, "")
+
+
+def _type_name(tp: Any) -> str:
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+@functools.cache
+def _field_comments(cls: type) -> dict[str, str]:
+    """{field: the comment on its line} from the source of cls and its dataclass bases."""
+    comments = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for match in re.finditer(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, re.MULTILINE):
+            comments[match.group(1)] = match.group(2).strip()
+    return comments
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -29,7 +29,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lingua.app import App
-from lingua.args import UserError, at_least, config_changes, dump_config, load_config, require, to_dict
+from lingua.args import (
+    UserError,
+    at_least,
+    command_line,
+    config_changes,
+    dump_config,
+    load_config,
+    require,
+    to_dict,
+)
 from lingua.checkpoint import (
     CheckpointArgs,
     CheckpointManager,
@@ -540,8 +549,9 @@ def clip_gradients(model, max_norm: float) -> torch.Tensor:
 
 def main(app: App, argv: list[str] | None = None) -> None:
     """The command line of every app's train.py; exits with the status documented at the top of this module."""
-    try:
+    with command_line(f"python -m {app.name} config=PATH [key=value ...]: trains, or resumes, the run in dump_dir"):
         args = load_config(app.args_cls, sys.argv[1:] if argv is None else argv)
+    try:
         summary = train(app, args)
     except UserError as e:
         _fail(str(e), 2)

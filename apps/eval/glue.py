@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 
-from lingua.args import UserError, load_config
+from lingua.args import UserError, command_line, load_config
 from lingua.checkpoint import load_model, resolve_checkpoint
 from lingua.distributed import resolve_device
 from lingua.files import atomic_write
@@ -78,13 +78,10 @@ def run(args: GlueCommandArgs) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
+    with command_line(__doc__):
         args = load_config(GlueCommandArgs, sys.argv[1:] if argv is None else argv)
         setup_logging()
         run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":
