@@ -1,0 +1,302 @@
+"""Scaling laws: plan a compute-optimal run, fit the hyper-parameter power laws, plot a sweep.
+
+    python -m apps.scaling plan app=crossbert compute=1e19 gpus=16 [micro_batch=128] [out=CONFIG.yaml]
+    python -m apps.scaling fit runs=SWEEP_DIR[,SWEEP_DIR...] [keep=3]
+    python -m apps.scaling plot kind=curves|loss|probes runs=SWEEP_DIR[,...] out=PLOT.png
+
+plan: the shape from the app's family (the configs `shapes`, by default apps/<app>/configs/scaling_*.yaml, the
+paper's Appendix J) whose F_N is nearest sqrt(C / ratio); D = C / F_N token-views; BSZ and LR from the app's power
+laws (section 5.1); steps, per-GPU batch and gradient accumulation for `gpus`. fit: from a sweep over sizes, learning
+rates and batch sizes, the best `keep` runs per size by final validation loss, and the LR and BSZ power laws of C
+fitted by log-log least squares (Appendix H). plot: validation-loss curves against compute (curves), final
+validation loss against compute with its fitted law (loss), frozen GLUE probe averages against compute per app
+(probes, the paper's Figure 1; from each run's glue_eval results).
+"""
+
+import glob
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import yaml
+
+from lingua.app import load_app
+from lingua.args import UserError, _read_yaml, command_line, load_config
+from lingua.files import atomic_write
+from lingua.scaling import (
+    TOKENS_PER_FLOP_PER_TOKEN,
+    PowerLaw,
+    best_per_group,
+    fit_power_law,
+    nearest_shape,
+    optimal_flops_per_token,
+    plan_batch,
+)
+
+# Section 5.1. BSZ in token-views. Appendix J's CrossBERT BSZ column follows its law at C / 2 (within 1%), its LR
+# column at C: `bsz_compute` is that factor. ELECTRA: the paper fits no law of its own; it shares BERT's.
+LAWS = {
+    "bert": {"bsz": PowerLaw(17.38, 0.24), "lr": PowerLaw(69.18, -0.24), "bsz_compute": 1.0},
+    "crossbert": {"bsz": PowerLaw(1e4, 0.092), "lr": PowerLaw(564.6, -0.279), "bsz_compute": 0.5},
+}
+LAWS["electra"] = LAWS["bert"]
+SHAPE_FALLBACK = "bert"  # an app without scaling configs takes BERT's backbones (its own defaults for the rest)
+
+
+@dataclass
+class PlanArgs:
+    app: str = "crossbert"  # bert | crossbert | electra
+    compute: float = 1e19  # C: training FLOPs as the paper counts them (eq. 6-8)
+    gpus: int = 1
+    micro_batch: int = 128  # most sequences per GPU per micro-step; sets the gradient accumulation
+    grad_acc: int | None = None  # accumulation steps (default: the fewest that respect micro_batch)
+    ratio: float = TOKENS_PER_FLOP_PER_TOKEN  # D / F_N: token-views per FLOP per token-view (Appendix J: 20)
+    shapes: str = ""  # a glob of configs, the family of shapes (default: apps/<app>/configs/scaling_*.yaml)
+    seq_len: int = 512
+    out: str = ""  # write the planned config here
+    dump_dir: str = ""  # of the written config (default: dump/<app>_<compute>)
+
+
+@dataclass
+class FitArgs:
+    runs: str = ""  # comma-separated sweep folders (or dump_dirs)
+    keep: int = 3  # best runs per model size kept for the fit (the paper: 3)
+
+
+@dataclass
+class PlotArgs:
+    kind: str = "curves"  # curves | loss | probes
+    runs: str = ""  # comma-separated sweep folders (or dump_dirs)
+    out: str = "plot.png"
+    probe: str = "linear"  # probes: linear | knn
+
+
+# ------------------------------------------------------------------------------------------------ plan
+
+
+def family(app_name: str, pattern: str = "") -> dict[str, dict[str, Any]]:
+    """{config path: its config (a nested dict)} of the app's shapes."""
+    root = Path(__file__).resolve().parent
+    default = root / app_name / "configs" / "scaling_*.yaml"
+    paths = sorted(glob.glob(pattern or str(default)))
+    if not paths and not pattern:
+        paths = sorted(glob.glob(str(root / SHAPE_FALLBACK / "configs" / "scaling_*.yaml")))
+    if not paths:
+        raise UserError(f"no config matches shapes={pattern or default}")
+    return {path: _read_yaml(path) for path in paths}
+
+
+def shape_config(app_name: str, path: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The family config as a config of `app_name`: another app's config lends only its backbone."""
+    if Path(path).resolve().parents[1].name == app_name:
+        return config
+    return {key: value for key, value in config.items() if key != "model"} | {
+        "model": {"encoder": config["model"]["encoder"]}}
+
+
+def flops_and_views(app_name: str, config: dict[str, Any], seq_len: int) -> tuple[float, int]:
+    """(F_N per token-view, token-views per sequence) of the config's model, built on the meta device."""
+    app = load_app(app_name)
+    args = load_config(app.args_cls, [], base={**config, "dump_dir": config.get("dump_dir") or "unused"})
+    with torch.device("meta"):
+        model = app.build_model(args.model, SimpleNamespace(vocab_size=50261, mask_id=50260, pad_id=50259))
+    return model.flops_per_token_view(seq_len), model.views_per_sequence
+
+
+def plan(args: PlanArgs):
+    if args.app not in LAWS:
+        raise UserError(f"no scaling laws for app '{args.app}' (known: {', '.join(LAWS)})")
+    configs = {path: shape_config(args.app, path, config) for path, config in family(args.app, args.shapes).items()}
+    measured = {path: flops_and_views(args.app, config, args.seq_len) for path, config in configs.items()}
+    chosen = nearest_shape(optimal_flops_per_token(args.compute, args.ratio),
+                           {path: flops for path, (flops, _) in measured.items()})
+    flops, views = measured[chosen]
+    laws = LAWS[args.app]
+    result = plan_batch(args.compute, flops, laws["bsz"](args.compute * laws["bsz_compute"]), laws["lr"](args.compute),
+                        views * args.seq_len, args.gpus, args.micro_batch, args.grad_acc)
+    return chosen, configs[chosen], result
+
+
+def planned_config(args: PlanArgs, config: dict[str, Any], result) -> dict[str, Any]:
+    name = f"{args.app}_{args.compute:.3g}".replace("+", "")
+    config = json.loads(json.dumps(config))
+    config |= {"name": name, "dump_dir": args.dump_dir or f"dump/{name}", "steps": result.steps,
+               "grad_acc_steps": result.grad_acc_steps}
+    config.setdefault("data", {}).update(batch_size=result.batch_size, seq_len=args.seq_len)
+    config.setdefault("optim", {})["lr"] = float(f"{result.lr:.3g}")
+    return config
+
+
+def format_plan(args: PlanArgs, chosen: str, config: dict[str, Any], result) -> str:
+    encoder = config["model"]["encoder"]
+    predictor = config["model"].get("predictor")
+    shape = f"dim {encoder['dim']}, {encoder['n_layers']} layers, {encoder['n_heads']} heads" + (
+        f"; predictor {predictor.get('n_layers')} layers" if predictor else "")
+    return "\n".join([
+        f"{args.app} at C = {args.compute:.3g} FLOPs (paper counting, eq. 6-8):",
+        f"  shape      {shape} (from {Path(chosen).name}), F_N = {result.flops_per_token_view:.4g} FLOPs/token-view",
+        f"  data       D = C / F_N = {result.token_views / 1e9:.4g}B token-views (D / F_N = "
+        f"{result.token_views / result.flops_per_token_view:.3g})",
+        f"  batch      BSZ = {result.batch_token_views:,} token-views = {result.sequences_per_step} sequences of "
+        f"{args.seq_len} = {result.batch_size} per GPU x {result.gpus} GPU(s) x {result.grad_acc_steps} accumulation",
+        f"  steps      {result.steps:,}",
+        f"  lr         {result.lr:.3g}",
+    ])
+
+
+def plan_command(argv: list[str]) -> None:
+    args = load_config(PlanArgs, argv)
+    chosen, config, result = plan(args)
+    print(format_plan(args, chosen, config, result))
+    if args.out:
+        atomic_write(args.out, yaml.safe_dump(planned_config(args, config, result), sort_keys=False))
+        print(f"config: {args.out}")
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+
+def run_dirs(spec: str) -> list[Path]:
+    """Every dump_dir under the given sweep folders (those holding a metrics.jsonl), or the dump_dirs themselves."""
+    folders = [Path(p.strip()) for p in spec.split(",") if p.strip()]
+    if not folders:
+        raise UserError("runs= is required: sweep folders or dump_dirs, comma-separated")
+    found = []
+    for folder in folders:
+        if not folder.is_dir():
+            raise UserError(f"{folder} is not a folder")
+        found += [folder] if (folder / "metrics.jsonl").exists() else sorted(
+            p.parent for p in folder.glob("*/metrics.jsonl"))
+    if not found:
+        raise UserError(f"no run (a folder with metrics.jsonl) in {spec}")
+    return found
+
+
+def read_run(dump_dir: Path) -> dict[str, Any]:
+    """What the fits and plots need from one run's dump_dir."""
+    config = yaml.safe_load((dump_dir / "config.yaml").read_text())
+    train, val = [], []
+    for line in (dump_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        (val if "val/loss" in record else train if "loss" in record else []).append(record)
+    if not train:
+        raise UserError(f"{dump_dir} has no training metrics yet")
+    last = train[-1]
+    flops_per_step = last["compute_flops"] / last["step"]
+    views_per_token = last["token_views_per_s"] / last["data_tokens_per_s"]
+    encoder = config["model"]["encoder"]
+    return {
+        "dir": dump_dir, "app": _app_of(dump_dir), "lr": config["optim"]["lr"],
+        "bsz": last["data_tokens"] / last["step"] * views_per_token,
+        "size": f"{encoder['dim']}x{encoder['n_layers']}", "compute": last["compute_flops"],
+        "val_curve": [(r["step"] * flops_per_step, r["val/loss"]) for r in val],
+        "final_val_loss": val[-1]["val/loss"] if val else None,
+        "probes": _probe_scores(dump_dir),
+    }
+
+
+def _app_of(dump_dir: Path) -> str:
+    job = dump_dir / "job.json"
+    if job.exists():
+        return json.loads(job.read_text())["script"].split(".")[-2]
+    log = (dump_dir / "train.log").read_text(errors="replace") if (dump_dir / "train.log").exists() else ""
+    for name in LAWS:
+        if f"apps.{name}.train" in log:
+            return name
+    return "?"
+
+
+def _probe_scores(dump_dir: Path) -> dict[str, float]:
+    """{probe: GLUE average} of the newest frozen evaluation of the run's final weights."""
+    results = sorted((dump_dir / "glue_eval").glob("*/results.json"), key=lambda p: p.stat().st_mtime)
+    if not results:
+        return {}
+    summary = json.loads(results[-1].read_text())["summary"].get("last", {})
+    return {probe: scores["avg"] for probe, scores in summary.items()}
+
+
+def fit_command(argv: list[str]) -> None:
+    args = load_config(FitArgs, argv)
+    runs = [run for run in map(read_run, run_dirs(args.runs)) if run["final_val_loss"] is not None]
+    if len({run["size"] for run in runs}) < 2:
+        raise UserError("fitting needs finished runs with a validation loss at two or more model sizes")
+    kept = best_per_group(runs, "size", "final_val_loss", args.keep)
+    print(f"{len(runs)} runs with a validation loss, {len({r['size'] for r in runs})} sizes; kept the best "
+          f"{args.keep} per size: {len(kept)}")
+    for name in ("lr", "bsz"):
+        fit = fit_power_law([run["compute"] for run in kept], [run[name] for run in kept])
+        print(f"{name.upper()}(C) = {fit.law.coefficient:.4g} x C^{fit.law.exponent:.3f}   (exponent ± "
+              f"{fit.exponent_stderr:.3f}, log10 coefficient ± {fit.coefficient_log10_stderr:.3f}, {fit.points} runs)")
+
+
+# ------------------------------------------------------------------------------------------------ plots
+
+
+def plot_command(argv: list[str]) -> None:
+    args = load_config(PlotArgs, argv)
+    if args.kind not in ("curves", "loss", "probes"):
+        raise UserError(f"config key 'kind' must be curves, loss or probes, got '{args.kind}'")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [read_run(d) for d in run_dirs(args.runs)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if args.kind == "curves":
+        for run in runs:
+            if run["val_curve"]:
+                ax.plot(*zip(*run["val_curve"]), marker=".", label=f"{run['app']} {run['dir'].name}")
+        ax.set_ylabel("validation loss")
+    elif args.kind == "loss":
+        _scatter_with_law(ax, runs, lambda run: run["final_val_loss"])
+        ax.set_ylabel("final validation loss")
+    else:
+        _scatter_with_law(ax, runs, lambda run: run["probes"].get(args.probe), fit=False)
+        ax.set_ylabel(f"frozen GLUE average, {args.probe} probe (%)")
+    ax.set_xscale("log")
+    ax.set_xlabel("compute C (FLOPs, paper counting)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    plt.close(fig)
+    print(f"plot: {args.out}")
+
+
+def _scatter_with_law(ax, runs, value, fit: bool = True) -> None:
+    for app in sorted({run["app"] for run in runs}):
+        points = sorted((run["compute"], value(run)) for run in runs if run["app"] == app and value(run) is not None)
+        if not points:
+            continue
+        ax.plot(*zip(*points), marker="o", linestyle="-" if not fit else "", label=app)
+        if fit and len({c for c, _ in points}) >= 2:
+            law = fit_power_law(*zip(*points)).law
+            xs = [points[0][0], points[-1][0]]
+            ax.plot(xs, [law(x) for x in xs], linestyle="--",
+                    label=f"{app}: {law.coefficient:.3g} C^{law.exponent:.3f}")
+
+
+COMMANDS = {"plan": plan_command, "fit": fit_command, "plot": plot_command}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    with command_line(__doc__):
+        if not argv or argv[0] in ("--help", "-h"):
+            print(__doc__)
+            return
+        if argv[0] not in COMMANDS:
+            raise UserError(f"unknown command '{argv[0]}' (plan, fit or plot)")
+        COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()
