@@ -1,0 +1,419 @@
+"""stool: launch training runs through submitit (SLURM, or this machine) and follow them.
+
+    python -m lingua.stool run script=apps.crossbert.train config=PATH nodes=N gpus_per_node=G partition=P \\
+        time=MINUTES [key=value ...]          # one run; any key stool does not know overrides the run's config
+    python -m lingua.stool sweep sweep=SWEEP.yaml [cluster=local] [--dry-run]
+    python -m lingua.stool status SWEEP_OR_DUMP_DIR
+
+A run gets one task per GPU (lingua/distributed.py reads srun's variables), the stop signal `signal_delay_s` before
+the time limit (the training loop saves a checkpoint and requeues the job, which resumes), its resolved config in
+`dump_dir/config.yaml` and a copy of the code (every file of the packages it imports) in `dump_dir/code`, where the
+job runs: edits to the repository after submission do not reach it. `cluster=local` runs the same jobs through
+submitit's local executor, `parallel` at a time (stool waits for them).
+
+A sweep file names the base config and the runs, each with its own dump_dir `<dump_dir>/<name>`, the name made of
+the values it sets:
+
+    script: apps.bert.train            # each run may set its own script and config
+    config: apps/bert/configs/debug.yaml
+    dump_dir: dump/sweeps/lr           # the sweep's folder
+    overrides: {steps: 100}            # for every run
+    grid: {optim.lr: [1e-3, 3e-3], data.batch_size: [8, 16]}   # every combination ...
+    runs: [{model.mask_ratio: 0.3}, {model.mask_ratio: 0.5}]    # ... of each of these (default: one empty run)
+    launcher: {nodes: 1, gpus_per_node: 8, partition: learn, time: 720}   # stool's keys (command line wins)
+"""
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import pickle
+import shutil
+import sys
+from dataclasses import dataclass
+from importlib import import_module
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lingua.args import UserError, _merge, _read_yaml, _set_dotted, command_line, load_config
+from lingua.files import atomic_write
+
+CODE_PACKAGES = ("lingua", "apps")  # copied whole (configs and data files too) into every run's dump_dir/code
+PATH_KEYS = ("dump_dir", "data.root_dir", "data.tokenizer.path", "init_from", "eval.data")  # made absolute
+CLUSTERS = ("slurm", "local")
+
+
+@dataclass
+class LauncherArgs:
+    script: str = ""  # the training module, e.g. apps.crossbert.train (run; a sweep file may set it per run)
+    config: str = ""  # the run's base YAML config (run; a sweep file may set it per run)
+    sweep: str = ""  # a sweep YAML file (sweep)
+    cluster: str = "slurm"  # slurm | local: submitit's local executor, on this machine
+    nodes: int = 1
+    gpus_per_node: int = 8  # also the tasks per node (one process per GPU); 0: a CPU job of one task
+    cpus_per_task: int = 8
+    mem_gb_per_task: int = 64
+    partition: str = ""  # SLURM partition (empty: the cluster's default)
+    qos: str = ""
+    account: str = ""
+    constraint: str = ""
+    time: int = 720  # minutes before SLURM stops the job (a stopped run is requeued and resumes)
+    signal_delay_s: int = 180  # the stop signal (distributed.stop_signal, SIGUSR2) comes this long before the limit
+    array_parallelism: int = 256  # sweep runs at once on SLURM
+    parallel: int = 1  # cluster=local: runs at once (stool waits for each wave)
+    dry_run: bool = False  # print what would run, submit nothing (also --dry-run)
+
+    def __post_init__(self):
+        if self.cluster not in CLUSTERS:
+            raise UserError(f"config key 'cluster' must be one of {', '.join(CLUSTERS)}, got '{self.cluster}'")
+
+
+@dataclass
+class PlannedRun:
+    name: str
+    script: str
+    dump_dir: Path
+    config: dict[str, Any]  # the resolved training config (a nested dict)
+    overrides: dict[str, Any]  # what the run sets over its base config (dotted keys)
+
+
+def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(stool's key=value arguments, the rest: overrides of the training config)."""
+    own = {f.name for f in dataclasses.fields(LauncherArgs)} | {"--help", "-h"}
+    mine = ["dry_run=true" if arg == "--dry-run" else arg for arg in argv
+            if arg == "--dry-run" or arg.partition("=")[0] in own]
+    return mine, [arg for arg in argv if arg != "--dry-run" and arg.partition("=")[0] not in own]
+
+
+def resolve_config(script: str, config_path: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The training config of `script` from its YAML and dotted overrides, checked by the app's own dataclass (a
+    mistake fails here, before anything is submitted), with its paths made absolute (the job runs elsewhere)."""
+    app = _load_app(script)
+    argv = ([f"config={config_path}"] if config_path else []) + [f"{key}={_yaml_value(value)}"
+                                                                   for key, value in overrides.items()]
+    args = load_config(app.args_cls, argv)
+    tree = dataclasses.asdict(args)
+    for key in PATH_KEYS:
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node.get(part, {})
+        value = node.get(leaf)
+        if value and value != "hf":
+            node[leaf] = str(Path(value).expanduser().resolve())
+    return tree
+
+
+def _yaml_value(value: Any) -> str:
+    return value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True).strip().removesuffix(
+        "\n...")
+
+
+def _load_app(script: str):
+    try:
+        return import_module(script).APP
+    except ModuleNotFoundError:
+        raise UserError(f"script '{script}' is not a module of this repository (e.g. apps.bert.train)") from None
+    except AttributeError:
+        raise UserError(f"script '{script}' defines no APP: it is not a training script") from None
+
+
+def plan_sweep(sweep_file: str) -> tuple[Path, list[PlannedRun], dict[str, Any]]:
+    """(the sweep's folder, its runs, its launcher section) from a sweep YAML file."""
+    spec = _read_yaml(sweep_file)
+    unknown = sorted(set(spec) - {"script", "config", "dump_dir", "overrides", "grid", "runs", "launcher"})
+    if unknown:
+        raise UserError(f"sweep file {sweep_file}: unknown key '{unknown[0]}'")
+    if not spec.get("dump_dir"):
+        raise UserError(f"sweep file {sweep_file} names no dump_dir (the sweep's folder)")
+    grid = spec.get("grid") or {}
+    if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
+        raise UserError(f"sweep file {sweep_file}: grid must map each key to a non-empty list of values")
+    runs = spec.get("runs") or [{}]
+    if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+        raise UserError(f"sweep file {sweep_file}: runs must be a list of mappings of key: value")
+    settings = [{**run, **dict(zip(grid, values))} for run in runs for values in itertools.product(*grid.values())]
+    root = Path(spec["dump_dir"]).expanduser().resolve()
+    planned, names = [], run_names(settings)
+    for name, setting in zip(names, settings):
+        setting = dict(setting)
+        script = setting.pop("script", spec.get("script"))
+        config = setting.pop("config", spec.get("config", ""))
+        if not script:
+            raise UserError(f"sweep file {sweep_file}: run {name} has no script")
+        overrides = {**(spec.get("overrides") or {}), **setting, "dump_dir": str(root / name), "name": name}
+        planned.append(PlannedRun(name, script, root / name, resolve_config(script, config, overrides), overrides))
+    return root, planned, spec.get("launcher") or {}
+
+
+def run_names(settings: list[dict[str, Any]]) -> list[str]:
+    """A folder name per run from the values that differ between runs: `lr0.003_batch_size16`; keys by their last
+    part unless two share it; the app for `script`. Unique: a clash gets the run's index."""
+    varying = [key for key in dict.fromkeys(k for s in settings for k in s)
+               if len({json.dumps(s.get(key), sort_keys=True) for s in settings}) > 1]
+    leaves = [key.split(".")[-1] for key in varying]
+    labels = {key: (leaf if leaves.count(leaf) == 1 else key.replace(".", "-")) for key, leaf in zip(varying, leaves)}
+    names = []
+    for i, setting in enumerate(settings):
+        parts = [_name_part(labels[key], setting.get(key)) for key in varying]
+        name = "_".join(parts) or "run"
+        names.append(name if name not in names else f"{name}_{i}")
+    return names
+
+
+def _name_part(label: str, value: Any) -> str:
+    if label == "script" and isinstance(value, str):
+        return value.split(".")[-2] if value.count(".") >= 2 else value
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    return label + "".join(c if c.isalnum() or c in ".-+" else "-" for c in text)
+
+
+# ------------------------------------------------------------------------------------------------ submission
+
+
+def snapshot_code(destination: Path, source: Path | None = None) -> None:
+    """Copies every file of the code packages (not only *.py: configs and data files the code reads too)."""
+    source = source or Path(__file__).resolve().parents[1]
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for package in CODE_PACKAGES:
+        shutil.copytree(source / package, destination / package, ignore=ignore, dirs_exist_ok=True)
+
+
+def prepare(run: PlannedRun) -> None:
+    """The run's dump_dir: its config and its code; refuses to overwrite a different config (nothing is lost)."""
+    run.dump_dir.mkdir(parents=True, exist_ok=True)
+    config_file = run.dump_dir / "config.yaml"
+    if config_file.exists() and yaml.safe_load(config_file.read_text()) != run.config:
+        raise UserError(f"{run.dump_dir} already holds a run with another config: use another dump_dir")
+    atomic_write(config_file, yaml.safe_dump(run.config, sort_keys=False))
+    snapshot_code(run.dump_dir / "code")
+
+
+def train_job(script: str, config_file: str) -> dict[str, Any]:
+    """What a job runs, in the run's code folder (its working directory): the app's training, in-process."""
+    from lingua.train import train
+
+    app = import_module(script).APP
+    return train(app, load_config(app.args_cls, [f"config={config_file}"]))
+
+
+@contextlib.contextmanager
+def working_directory(path: Path):
+    """submitit's jobs (SLURM's and local ones) start in the directory they were submitted from."""
+    previous = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+def executor_for(args: LauncherArgs, folder: Path):
+    import submitit
+
+    executor = submitit.AutoExecutor(folder=folder, cluster=args.cluster)
+    tasks = max(args.gpus_per_node, 1) if args.cluster == "slurm" else 1
+    params = {"timeout_min": args.time, "tasks_per_node": tasks, "nodes": args.nodes if args.cluster == "slurm" else 1,
+              "cpus_per_task": args.cpus_per_task}
+    if args.cluster == "slurm":
+        params |= {"gpus_per_node": args.gpus_per_node, "mem_gb": args.mem_gb_per_task * tasks,
+                   "slurm_signal_delay_s": args.signal_delay_s, "slurm_array_parallelism": args.array_parallelism}
+        params |= {f"slurm_{key}": getattr(args, key) for key in ("partition", "qos", "account", "constraint")
+                   if getattr(args, key)}
+    executor.update_parameters(**params)
+    return executor
+
+
+def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
+    """Prepares every run, then submits them: one SLURM job array, or local waves of `parallel` runs."""
+    for run in runs:
+        prepare(run)
+    executor = executor_for(args, folder / "submitit")
+    if args.cluster == "slurm":
+        with executor.batch():
+            jobs = [_submit_one(executor, run) for run in runs]
+        for run, job in zip(runs, jobs):
+            _record(run, job)
+        return
+    for start in range(0, len(runs), args.parallel):
+        wave = [(run, _submit_one(executor, run)) for run in runs[start:start + args.parallel]]
+        for run, job in wave:
+            _record(run, job)
+        for run, job in wave:
+            job.wait()
+            print(f"{run.name}: {describe(run.dump_dir)['state']}")
+
+
+def _submit_one(executor, run: PlannedRun):
+    with working_directory(run.dump_dir / "code"):
+        return executor.submit(train_job, run.script, str(run.dump_dir / "config.yaml"))
+
+
+def _record(run: PlannedRun, job) -> None:
+    """Where status finds the job: its id and submitit's folder."""
+    atomic_write(run.dump_dir / "job.json", json.dumps({"job_id": str(job.job_id), "folder": str(job.paths.folder),
+                                                        "script": run.script}))
+    print(f"submitted {run.name}: job {job.job_id}, dump_dir {run.dump_dir}")
+
+
+# ------------------------------------------------------------------------------------------------ status
+
+
+def describe(dump_dir: Path) -> dict[str, Any]:
+    """A run's state (missing, pending, running, finished, failed), its reason, last step, loss and val loss, from
+    its dump_dir alone (metrics.jsonl, config.yaml, and submitit's result file)."""
+    info = {"state": "missing", "reason": "", "step": None, "loss": None, "val_loss": None}
+    if not dump_dir.is_dir():
+        return info
+    steps = None
+    if (dump_dir / "config.yaml").exists():
+        steps = (yaml.safe_load((dump_dir / "config.yaml").read_text()) or {}).get("steps")
+    for line in _lines(dump_dir / "metrics.jsonl"):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        info["step"] = record.get("step", info["step"])
+        info["loss"] = record.get("loss", info["loss"])
+        info["val_loss"] = record.get("val/loss", info["val_loss"])
+    outcome, reason = job_outcome(dump_dir)
+    if outcome == "error":
+        info["state"], info["reason"] = "failed", reason
+    elif steps is not None and info["step"] is not None and info["step"] >= steps:
+        info["state"] = "finished"
+    elif outcome == "success":
+        info["state"], info["reason"] = "stopped", "the job ended before the last step (a stop signal: resubmit)"
+    else:
+        info["state"] = "running" if (dump_dir / "train.log").exists() else "pending"
+    return info
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def job_outcome(dump_dir: Path) -> tuple[str | None, str]:
+    """('success' | 'error' | None, the error's last line) from submitit's result file of the run's job."""
+    try:
+        job = json.loads((dump_dir / "job.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None, ""
+    results = sorted(Path(job["folder"]).glob(f"{job['job_id']}_*_result.pkl"))
+    if not results:
+        return None, ""
+    with open(results[0], "rb") as f:
+        outcome, value = pickle.load(f)
+    if outcome == "success":
+        return "success", ""
+    lines = [line for line in str(value).strip().splitlines() if line.strip()]
+    return "error", lines[-1].strip() if lines else "unknown error"
+
+
+def status_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(name, describe()) of each run of a sweep folder (sweep.json), or of one dump_dir."""
+    sweep = path / "sweep.json"
+    if sweep.exists():
+        return [(name, describe(path / name)) for name in json.loads(sweep.read_text())["runs"]]
+    if not path.exists():
+        raise UserError(f"{path} does not exist")
+    return [(path.name, describe(path))]
+
+
+def format_status(rows: list[tuple[str, dict[str, Any]]]) -> str:
+    width = max(len("run"), *(len(name) for name, _ in rows))
+    lines = [f"{'run'.ljust(width)}  {'state':9} {'step':>7} {'loss':>8} {'val loss':>9}  reason"]
+    for name, info in rows:
+        cells = [f"{info[k]:.4f}" if isinstance(info[k], float) else "-" for k in ("loss", "val_loss")]
+        step = "-" if info["step"] is None else str(info["step"])
+        lines.append(f"{name.ljust(width)}  {info['state']:9} {step:>7} {cells[0]:>8} {cells[1]:>9}  {info['reason']}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+
+def run_command(argv: list[str]) -> None:
+    mine, overrides = split_arguments(argv)
+    args = load_config(LauncherArgs, mine)
+    if not args.script:
+        raise UserError("run needs script=MODULE (e.g. apps.crossbert.train)")
+    tree: dict[str, Any] = {}
+    for arg in overrides:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise UserError(f"expected key=value, got '{arg}'")
+        _set_dotted(tree, key, yaml.safe_load(value) if value else "")
+    config = resolve_config(args.script, args.config, _flatten(tree))
+    run = PlannedRun(Path(config["dump_dir"]).name, args.script, Path(config["dump_dir"]), config, _flatten(tree))
+    _launch([run], args, run.dump_dir)
+
+
+def sweep_command(argv: list[str]) -> None:
+    mine, extra = split_arguments(argv)
+    if extra:
+        raise UserError(f"unknown key '{extra[0].partition('=')[0]}' (a sweep's config changes go in its file)")
+    cli = load_config(LauncherArgs, mine)
+    if not cli.sweep:
+        raise UserError("sweep needs sweep=FILE.yaml")
+    root, runs, launcher = plan_sweep(cli.sweep)
+    args = load_config(LauncherArgs, [], base=_merge(launcher, _given(mine)))
+    if not args.dry_run:
+        root.mkdir(parents=True, exist_ok=True)
+        atomic_write(root / "sweep.json", json.dumps({"sweep": str(Path(cli.sweep).resolve()),
+                                                       "runs": [run.name for run in runs]}))
+    _launch(runs, args, root)
+
+
+def _given(argv: list[str]) -> dict[str, Any]:
+    return {key: yaml.safe_load(value) for key, _, value in (arg.partition("=") for arg in argv)}
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def _launch(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
+    if args.dry_run:
+        where = (f"slurm: {args.nodes} node(s) x {args.gpus_per_node} GPU(s), {args.time} min"
+                 if args.cluster == "slurm" else "local: 1 process")
+        for run in runs:
+            settings = " ".join(f"{key}={_yaml_value(value)}" for key, value in run.overrides.items())
+            print(f"{run.name} ({where}): python -m {run.script} {settings}")
+        print(f"dry run: {len(runs)} run(s), nothing submitted")
+        return
+    submit(runs, args, folder)
+
+
+COMMANDS = {"run": run_command, "sweep": sweep_command}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    with command_line(__doc__):
+        if not argv or argv[0] in ("--help", "-h"):
+            load_config(LauncherArgs, ["--help"])
+        command, rest = argv[0], argv[1:]
+        if command == "status":
+            if len(rest) != 1 or rest[0].startswith("-"):
+                raise UserError("usage: python -m lingua.stool status SWEEP_OR_DUMP_DIR")
+            print(format_status(status_rows(Path(rest[0]))))
+        elif command in COMMANDS:
+            COMMANDS[command](rest)
+        else:
+            raise UserError(f"unknown command '{command}' (run, sweep or status)")
+
+
+if __name__ == "__main__":
+    main()

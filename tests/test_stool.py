@@ -1,0 +1,118 @@
+"""stool: sweep expansion and naming, dry runs, the code snapshot, a local two-run sweep through submitit, status."""
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lingua import stool
+from lingua.args import UserError
+from tests.conftest import tiny_argv
+
+
+def write_sweep(tmp_path, corpus, **extra) -> Path:
+    overrides = dict(arg.split("=", 1) for arg in tiny_argv(corpus, tmp_path / "unused", 4)[1:])
+    spec = {"script": "apps.bert.train", "dump_dir": str(tmp_path / "sweep"), "overrides": overrides,
+            "grid": {"optim.lr": [1e-3, 3e-3]}, "launcher": {"cluster": "local"}, **extra}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_names_come_from_the_values_that_differ():
+    settings = [{"optim.lr": 1e-3, "data.batch_size": 8, "steps": 5}, {"optim.lr": 3e-3, "data.batch_size": 8,
+                                                                        "steps": 5}]
+    assert stool.run_names(settings) == ["lr0.001", "lr0.003"]
+    clash = [{"model.encoder.dim": 64, "model.predictor.dim": 32}, {"model.encoder.dim": 128,
+                                                                    "model.predictor.dim": 64}]
+    assert stool.run_names(clash) == ["model-encoder-dim64_model-predictor-dim32",
+                                      "model-encoder-dim128_model-predictor-dim64"]
+    apps = [{"script": "apps.bert.train", "optim.lr": 1e-3}, {"script": "apps.crossbert.train", "optim.lr": 1e-3}]
+    assert stool.run_names(apps) == ["bert", "crossbert"]
+    assert stool.run_names([{}, {}]) == ["run", "run_1"]
+
+
+def test_sweep_expands_runs_times_grid(tmp_path, corpus):
+    path = write_sweep(tmp_path, corpus, runs=[{"script": "apps.bert.train"}, {"script": "apps.crossbert.train"}])
+    root, runs, launcher = stool.plan_sweep(str(path))
+    assert [run.name for run in runs] == ["bert_lr0.001", "bert_lr0.003", "crossbert_lr0.001", "crossbert_lr0.003"]
+    assert {run.dump_dir for run in runs} == {root / run.name for run in runs}
+    assert runs[3].config["optim"]["lr"] == 3e-3 and runs[3].config["model"]["cms"] is True
+    assert runs[0].config["data"]["root_dir"] == str(corpus.resolve())  # paths made absolute for the job
+    assert launcher == {"cluster": "local"}
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"grid": {"optim.lr": []}}, "non-empty list"),
+    ({"bogus": 1}, "unknown key 'bogus'"),
+    ({"overrides": {"optim.lrr": 1}}, "unknown config key 'optim.lrr'"),
+    ({"script": "apps.nothing.train"}, "not a module"),
+])
+def test_bad_sweeps_fail_before_anything_is_submitted(tmp_path, corpus, change, message):
+    path = write_sweep(tmp_path, corpus, **change)
+    with pytest.raises(UserError, match=message):
+        stool.plan_sweep(str(path))
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_dry_run_prints_and_writes_nothing(tmp_path, corpus, capsys):
+    stool.main(["sweep", f"sweep={write_sweep(tmp_path, corpus)}", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "lr0.001 (local: 1 process): python -m apps.bert.train" in out and "optim.lr=0.003" in out
+    assert "2 run(s), nothing submitted" in out
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_snapshot_holds_everything_the_run_imports(tmp_path):
+    stool.snapshot_code(tmp_path / "code")
+    probe = ("import sys, apps.crossbert.train, apps.eval.glue, lingua.stool; "
+             "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))")
+    files = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path / "code", capture_output=True, text=True,
+                           check=True).stdout.split()
+    ours = [f for f in files if "/lingua/" in f or "/apps/" in f]
+    assert ours and all(Path(f).is_relative_to(tmp_path / "code") for f in ours)
+    assert (tmp_path / "code/apps/crossbert/configs/debug.yaml").exists()  # not only *.py
+
+
+def test_local_sweep_runs_end_to_end_and_status_reads_it(tmp_path, corpus, capsys):
+    stool.main(["sweep", f"sweep={write_sweep(tmp_path, corpus)}"])
+    root = tmp_path / "sweep"
+    for name in ("lr0.001", "lr0.003"):
+        run = root / name
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert metrics[-1]["step"] == 4 and (run / "code/lingua/train.py").exists()
+        assert yaml.safe_load((run / "config.yaml").read_text())["optim"]["lr"] in (1e-3, 3e-3)
+    capsys.readouterr()
+    stool.main(["status", str(root)])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:3] for line in lines[1:]] == [["lr0.001", "finished", "4"], ["lr0.003", "finished", "4"]]
+
+
+def test_status_tells_failed_missing_and_pending_runs(tmp_path, capsys):
+    root = tmp_path / "sweep"
+    (root / "failed").mkdir(parents=True)
+    (root / "pending").mkdir()
+    (root / "sweep.json").write_text(json.dumps({"runs": ["failed", "pending", "missing"]}))
+    (root / "failed/config.yaml").write_text("steps: 10\n")
+    (root / "failed/metrics.jsonl").write_text(json.dumps({"step": 3, "loss": 2.5}) + "\n")
+    (root / "failed/train.log").write_text("")
+    with open(root / "failed/7_0_result.pkl", "wb") as f:
+        pickle.dump(("error", "Traceback ...\nlingua.args.UserError: data folder not found"), f)
+    (root / "failed/job.json").write_text(json.dumps({"job_id": "7", "folder": str(root / "failed"),
+                                                      "script": "apps.bert.train"}))
+    (root / "pending/job.json").write_text(json.dumps({"job_id": "8", "folder": str(root / "pending"),
+                                                       "script": "apps.bert.train"}))
+    stool.main(["status", str(root)])
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["failed"].split()[1:4] == ["failed", "3", "2.5000"] and "data folder not found" in rows["failed"]
+    assert rows["pending"].split()[1] == "pending" and rows["missing"].split()[1] == "missing"
+
+
+def test_stool_answers_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        stool.main(["run", "--help"])
+    assert exit_.value.code == 0 and "gpus_per_node: int = 8" in capsys.readouterr().out
