@@ -56,7 +56,7 @@ class BenchmarkArgs:
     apps: str = "bert,crossbert,electra"  # comma-separated; `app+key=value+...` sets fields of that app's model
     preset: str = "cpu"  # debug (seconds) | cpu (dim 384, 8 layers, seq 512) | paper (single-scale shapes)
     encoder: TransformerArgs = field(default_factory=TransformerArgs)  # the backbone all apps share
-    seq_len: int = 512
+    seq_len: int = 512  # tokens per sequence
     batch_size: int = 4  # data sequences per step, the same for every app
     vocab_size: int = 50261  # GPT-2's 50257 tokens and the four special ones
     warmup: int = 2  # untimed steps per app
@@ -64,9 +64,9 @@ class BenchmarkArgs:
     rounds: int = 4  # rounds of turns over the apps
     dtype: str = "auto"  # auto: as training (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 (autocast)
     compile: bool = False  # torch.compile each block, as distributed.compile in training
-    device: str = "auto"
+    device: str = "auto"  # auto: the GPU if there is one, else the CPU
     peak_tflops: float | None = None  # per device, for MFU; default: the GPU's known dense bf16 peak
-    seed: int = 0
+    seed: int = 0  # model init and random tokens
     out: str = ""  # also write the results here as JSON
 
     def __post_init__(self):

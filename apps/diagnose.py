@@ -38,18 +38,18 @@ def small_encoder() -> TransformerArgs:
 
 @dataclass
 class DiagnoseArgs:
-    task: str = "pairs"
+    task: str = "pairs"  # pairs | period
     period: int = 4  # task=period: the length of the repeated block
     apps: str = "bert,crossbert+cms=false+mask_ratio=0.2"  # the same task for both: 20% masked, one view
     encoder: TransformerArgs = field(default_factory=small_encoder)
-    seq_len: int = 64
-    batch_size: int = 32
-    steps: int = 300
+    seq_len: int = 64  # bytes per sequence
+    batch_size: int = 32  # sequences per step
+    steps: int = 300  # training steps per app
     every: int = 50  # steps between accuracy measurements
-    eval_sequences: int = 256
+    eval_sequences: int = 256  # held-out sequences for the accuracy
     optim: OptimArgs = field(default_factory=lambda: OptimArgs(lr=2e-3, warmup=30, lr_min=2e-4))
-    seed: int = 0
-    out: str = ""
+    seed: int = 0  # model init, data and masking
+    out: str = ""  # also write the curves here as JSON
 
     def __post_init__(self):
         require(self.task in TASKS, "task", f"must be one of {', '.join(TASKS)}, got '{self.task}'")

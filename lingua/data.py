@@ -37,11 +37,11 @@ MALFORMED_WARNINGS = 10  # warn about each of the first malformed lines of a fil
 
 @dataclass
 class DataArgs:
-    root_dir: str = ""
+    root_dir: str = ""  # the folder of the sources (setup/prepare_data.py writes data/<source>/)
     sources: dict[str, float] = field(default_factory=dict)  # source folder -> sampling weight
-    seq_len: int = 512
+    seq_len: int = 512  # tokens per training sequence
     batch_size: int = 8  # sequences per rank per micro-batch
-    seed: int = 42
+    seed: int = 42  # document order and source sampling
     prefetch: int = 8  # batches loaded ahead in a background thread (0: load in the caller's thread)
     tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
 

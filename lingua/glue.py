@@ -88,15 +88,15 @@ TASKS = {task.name: task for task in [  # in the paper's column order
 @dataclass
 class GlueEvalArgs:
     data: str = ""  # a folder in the original GLUE TSV layout (SST-2/train.tsv, ...), or "hf" for the HF hub
-    tasks: list[str] = field(default_factory=lambda: list(TASKS))
-    probes: list[str] = field(default_factory=lambda: list(PROBES))
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))  # comma-separated GLUE task names
+    probes: list[str] = field(default_factory=lambda: list(PROBES))  # linear (ridge) and/or knn
     layers: str = "last"  # "last", "all", or comma-separated indices into encode(all_layers=True), e.g. "0,5,last"
     max_train: int = 10_000  # training examples per task (a seeded random subset); the largest probe size
     max_len: int = 0  # tokens per example; 0: the model's training seq_len when known, else 512
     batch_size: int = 32  # sequences per forward pass
     num_lambdas: int = 9  # log-spaced ridge strengths from 1 to 1e4
     ridge_solver: str = "eigh"  # eigh: one eigendecomposition per training size | solve: torch.linalg.solve per λ
-    knn_k: list[int] = field(default_factory=lambda: [1, 3, 10, 30])
+    knn_k: list[int] = field(default_factory=lambda: [1, 3, 10, 30])  # neighbour counts tried (best on dev)
     seed: int = 0  # the permutation that picks and orders the training examples
     every: int = 0  # training loop only: run the probes every N steps (0: never)
 

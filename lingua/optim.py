@@ -15,12 +15,12 @@ from lingua.args import at_least, require
 
 @dataclass
 class OptimArgs:
-    lr: float = 6e-4
-    lr_min: float = 1e-6
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    lr: float = 6e-4  # peak learning rate (AdamW)
+    lr_min: float = 1e-6  # end of the cosine decay
+    weight_decay: float = 0.1  # decoupled; none on norms and embeddings
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW
+    eps: float = 1e-8  # AdamW
     warmup: int = 2000  # steps of linear warm-up from 0
     clip: float = 1.0  # max global grad norm; 0 disables clipping
 

@@ -96,7 +96,7 @@ EXIT_DIVERGED = 4
 class ValidationArgs:
     every: int = 100  # steps between validations; 0 disables
     n_sequences: int = 64  # fixed held-out sequences
-    batch_size: int = 16
+    batch_size: int = 16  # sequences per forward pass
     seed: int = 1234  # the masking of the validation set is the same at every validation and in every run
 
     def __post_init__(self):
@@ -106,11 +106,11 @@ class ValidationArgs:
 
 @dataclass
 class TrainArgs:
-    dump_dir: str
-    name: str = "run"
-    seed: int = 42
-    steps: int = 1000
-    grad_acc_steps: int = 1
+    dump_dir: str  # the run's folder: config, logs, metrics, checkpoints; an existing run resumes
+    name: str = "run"  # shown in logs and wandb
+    seed: int = 42  # model init and masking draws (the data order has data.seed)
+    steps: int = 1000  # optimizer steps in all
+    grad_acc_steps: int = 1  # micro-batches accumulated per optimizer step
     device: str = "auto"  # auto: each rank's GPU if there is one, else the CPU
     init_from: str = ""  # a new run starts from these weights (checkpoint folder, dump_dir or consolidated.pt)
     data: DataArgs = field(default_factory=DataArgs)

@@ -45,10 +45,10 @@ class PredictorArgs:
     """Unset fields follow the encoder: a quarter of its depth (at least one layer), its width and heads, and its
     head_dim when width and heads are the encoder's (else dim // n_heads)."""
 
-    n_layers: int | None = None
-    dim: int | None = None
-    n_heads: int | None = None
-    head_dim: int | None = None
+    n_layers: int | None = None  # default: a quarter of the encoder's, at least 1
+    dim: int | None = None  # default: the encoder's
+    n_heads: int | None = None  # default: the encoder's
+    head_dim: int | None = None  # default: the encoder's when dim and heads are, else dim // n_heads
 
     def __post_init__(self):
         at_least(self, 1, "n_layers", "dim", "n_heads", "head_dim")
@@ -62,7 +62,7 @@ class CrossBertArgs:
     encoder: TransformerArgs = field(default_factory=TransformerArgs)
     predictor: PredictorArgs = field(default_factory=PredictorArgs)
     mask_ratio: float = 0.5  # the paper's CrossBERT
-    cms: bool = True
+    cms: bool = True  # Complementary Masking: the inverse view is predicted in the same pass
     cms_attention: str = "segments"  # segments: each view attends on its own | mask: one dense view mask per row
 
     def __post_init__(self):
