@@ -5,6 +5,7 @@ VARIANT: base | mask_std=S | qk_norm | key_bias=S | layerwise | tied | bert_hidd
 Prints the held-out accuracy every 50 steps of the last app in apps= (default: CrossBERT, 20% masked, no CMS).
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -14,8 +15,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import apps.bert.model as bert  # noqa: E402
 import apps.crossbert.model as crossbert  # noqa: E402
+import apps.diagnose as diagnose  # noqa: E402
 from apps.diagnose import DiagnoseArgs, learning_curve  # noqa: E402
-from lingua import transformer  # noqa: E402
+from lingua import optim, transformer  # noqa: E402
 from lingua.args import load_config  # noqa: E402
 from lingua.masking import gather_tokens  # noqa: E402
 
@@ -76,6 +78,52 @@ def patch(variant: str) -> None:
             h = self.encoder(inputs, transformer.default_positions(inputs), mask)
             return self.encoder.lm_loss(gather_tokens(h, mask_idx), targets)
         bert.Bert.forward = forward
+    elif name == "pred_lr":  # the predictor's parameters (its mask embedding included) train at value x the lr
+        def build_optimizer(model, args):
+            predictor = {id(p) for p in getattr(model, "predictor", torch.nn.Module()).parameters()}
+            groups = [{**group, "params": [p for p in group["params"] if (id(p) in predictor) == in_predictor],
+                       "lr_scale": float(value) if in_predictor else 1.0}
+                      for group in optim.param_groups(model, args.weight_decay) for in_predictor in (False, True)]
+            return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps)
+        diagnose.build_optimizer = build_optimizer
+        diagnose.set_lr = lambda optimizer, lr: [g.update(lr=lr * g["lr_scale"]) for g in optimizer.param_groups]
+    elif name == "out_std":  # init std of every residual branch's output projection (wo, w2), encoder and predictor
+        def with_out_std(init_weights):
+            def init(self):
+                init_weights(self)
+                for module in self.modules():
+                    if isinstance(module, (transformer.Attention, transformer.FeedForward)):
+                        out = module.wo if isinstance(module, transformer.Attention) else module.w2
+                        std = float(value)
+                        torch.nn.init.zeros_(out.weight) if std == 0 else transformer.trunc_normal_(out.weight, std)
+            return init
+        crossbert.CrossBert.init_weights = with_out_std(crossbert.CrossBert.init_weights)
+        bert.Bert.init_weights = with_out_std(bert.Bert.init_weights)
+    elif name == "pred_rope_theta":  # RoPE base of the predictor only (the encoder keeps its own)
+        predictor_transformer = crossbert.CrossBertArgs.predictor_transformer
+        crossbert.CrossBertArgs.predictor_transformer = lambda self: dataclasses.replace(
+            predictor_transformer(self), rope_theta=float(value))
+    elif name == "embedding_keys":  # the predictor reads the encoder's input embeddings instead of its output
+        def predict(self, inputs, positions, query_positions):
+            context = self.encoder.norm(self.encoder.tok_embeddings(inputs))
+            return self.predictor(context, positions, query_positions, None)
+        crossbert.CrossBert.predict = predict
+    elif name == "embedding_scale":  # token embeddings enter the residual stream times value (e.g. sqrt(dim))
+        embed = transformer.Encoder.forward
+
+        def forward(self, tokens, *rest, **kw):
+            original = self.tok_embeddings.forward
+            self.tok_embeddings.forward = lambda t: original(t) * float(value)
+            try:
+                return embed(self, tokens, *rest, **kw)
+            finally:
+                del self.tok_embeddings.forward
+        transformer.Encoder.forward = forward
+    elif name == "centred_context":  # the predictor reads the encoder output minus its mean over the sequence
+        def predict(self, inputs, positions, query_positions):
+            h = self.encoder(inputs, positions, None)
+            return self.predictor(h - h.mean(1, keepdim=True), positions, query_positions, None)
+        crossbert.CrossBert.predict = predict
     elif name != "base":
         raise SystemExit(f"unknown variant {variant}")
 

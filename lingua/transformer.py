@@ -27,17 +27,18 @@ ATTN_BACKENDS = ("sdpa", "flex", "xformers")
 
 @dataclass
 class TransformerArgs:
-    dim: int = 768
-    n_layers: int = 12
-    n_heads: int = 12
+    dim: int = 768  # model width
+    n_layers: int = 12  # transformer blocks
+    n_heads: int = 12  # attention heads
     head_dim: int | None = None  # default: dim // n_heads
     ffn_multiple_of: int = 256  # SwiGLU hidden size is 8*dim/3 rounded up to a multiple of this (Lingua's rule)
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seqlen: int = 512
-    init_std: float = 0.02
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base
+    max_seqlen: int = 512  # longest sequence (RoPE table size)
+    init_std: float = 0.02  # std of the truncated-normal init of every matrix and embedding
     attn_backend: str = "sdpa"  # sdpa (CPU and GPU) | flex (GPU, compiled flex_attention) | xformers (if installed)
     head_chunk: int = 4096  # predicted tokens the output head and its loss take at a time; 0: all logits at once
+    scale_embeddings: bool = True  # token embeddings enter the residual stream times sqrt(dim); false: unscaled
 
     def __post_init__(self):
         at_least(self, 1, "dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "max_seqlen")
@@ -289,6 +290,8 @@ class Encoder(nn.Module):
         With all_layers, a list of every block's output (the residual stream), the last one after the final norm.
         """
         h = self.tok_embeddings(tokens)
+        if self.args.scale_embeddings:  # else the blocks' outputs drown the token identities: see docs/
+            h = h * math.sqrt(self.args.dim)
         rope = self.rope(positions)
         bias = build_attn_bias(mask, self.args.attn_backend, self.args.n_heads)
         outputs = []
