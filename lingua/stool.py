@@ -19,7 +19,8 @@ the values it sets:
     dump_dir: dump/sweeps/lr           # the sweep's folder
     overrides: {steps: 100}            # for every run
     grid: {optim.lr: [1e-3, 3e-3], data.batch_size: [8, 16]}   # every combination ...
-    runs: [{model.mask_ratio: 0.3}, {model.mask_ratio: 0.5}]    # ... of each of these (default: one empty run)
+    runs: [{model.mask_ratio: 0.3}, {model.mask_ratio: 0.5, name: half}]   # ... of each of these (default: one
+                                       # empty run); `name` sets a run's folder
     launcher: {nodes: 1, gpus_per_node: 8, partition: learn, time: 720}   # stool's keys (command line wins)
 """
 
@@ -137,7 +138,10 @@ def plan_sweep(sweep_file: str) -> tuple[Path, list[PlannedRun], dict[str, Any]]
         raise UserError(f"sweep file {sweep_file}: runs must be a list of mappings of key: value")
     settings = [{**run, **dict(zip(grid, values))} for run in runs for values in itertools.product(*grid.values())]
     root = Path(spec["dump_dir"]).expanduser().resolve()
-    planned, names = [], run_names(settings)
+    named = [setting.pop("name", None) for setting in settings]
+    planned, names = [], [given or made for given, made in zip(named, run_names(settings))]
+    if len(set(names)) < len(names):
+        raise UserError(f"sweep file {sweep_file}: two runs are named {max(names, key=names.count)}")
     for name, setting in zip(names, settings):
         setting = dict(setting)
         script = setting.pop("script", spec.get("script"))

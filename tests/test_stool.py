@@ -46,6 +46,14 @@ def test_sweep_expands_runs_times_grid(tmp_path, corpus):
     assert launcher == {"cluster": "local"}
 
 
+def test_a_run_may_name_itself_but_names_stay_unique(tmp_path, corpus):
+    path = write_sweep(tmp_path, corpus, runs=[{"name": "small"}, {}], grid={"optim.lr": [1e-3]})
+    assert [run.name for run in stool.plan_sweep(str(path))[1]] == ["small", "run_1"]
+    path = write_sweep(tmp_path, corpus, runs=[{"name": "same"}, {"name": "same"}], grid={"optim.lr": [1e-3]})
+    with pytest.raises(UserError, match="two runs are named same"):
+        stool.plan_sweep(str(path))
+
+
 @pytest.mark.parametrize("change,message", [
     ({"grid": {"optim.lr": []}}, "non-empty list"),
     ({"bogus": 1}, "unknown key 'bogus'"),
