@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from lingua.args import UserError, _merge, _read_yaml, _set_dotted, command_line, load_config
+from lingua.args import UserError, _merge, _read_yaml, _set_dotted, command_line, from_dict, load_config
 from lingua.files import atomic_write
 
 CODE_PACKAGES = ("lingua", "apps")  # copied whole (configs and data files too) into every run's dump_dir/code
@@ -93,10 +93,10 @@ def resolve_config(script: str, config_path: str, overrides: dict[str, Any]) -> 
     """The training config of `script` from its YAML and dotted overrides, checked by the app's own dataclass (a
     mistake fails here, before anything is submitted), with its paths made absolute (the job runs elsewhere)."""
     app = _load_app(script)
-    argv = ([f"config={config_path}"] if config_path else []) + [f"{key}={_yaml_value(value)}"
-                                                                   for key, value in overrides.items()]
-    args = load_config(app.args_cls, argv)
-    tree = dataclasses.asdict(args)
+    tree = _read_yaml(config_path) if config_path else {}
+    for key, value in overrides.items():
+        _set_dotted(tree, key, value)
+    tree = dataclasses.asdict(from_dict(app.args_cls, tree))
     for key in PATH_KEYS:
         *parents, leaf = key.split(".")
         node = tree
@@ -223,7 +223,8 @@ def executor_for(args: LauncherArgs, folder: Path):
     params = {"timeout_min": args.time, "tasks_per_node": tasks, "nodes": args.nodes if args.cluster == "slurm" else 1,
               "cpus_per_task": args.cpus_per_task}
     if args.cluster == "slurm":
-        params |= {"gpus_per_node": args.gpus_per_node, "mem_gb": args.mem_gb_per_task * tasks,
+        params |= {"gpus_per_node": args.gpus_per_node} if args.gpus_per_node else {}
+        params |= {"mem_gb": args.mem_gb_per_task * tasks,
                    "slurm_signal_delay_s": args.signal_delay_s, "slurm_array_parallelism": args.array_parallelism}
         params |= {f"slurm_{key}": getattr(args, key) for key in ("partition", "qos", "account", "constraint")
                    if getattr(args, key)}

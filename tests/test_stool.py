@@ -124,3 +124,25 @@ def test_stool_answers_help(capsys):
     with pytest.raises(SystemExit) as exit_:
         stool.main(["run", "--help"])
     assert exit_.value.code == 0 and "gpus_per_node: int = 8" in capsys.readouterr().out
+
+
+def test_run_command_dry_run_takes_config_overrides(tmp_path, corpus, capsys):
+    argv = ["run", "script=apps.crossbert.train", "nodes=2", "gpus_per_node=8", "partition=learn", "time=60",
+            "--dry-run", *tiny_argv(corpus, tmp_path / "one", 4)]
+    stool.main(argv)
+    out = capsys.readouterr().out
+    assert "one (slurm: 2 node(s) x 8 GPU(s), 60 min): python -m apps.crossbert.train" in out
+    assert "model.encoder.dim=32" in out and not (tmp_path / "one").exists()
+
+
+def test_slurm_jobs_get_one_task_per_gpu_and_the_stop_signal_before_the_limit(tmp_path, monkeypatch):
+    from submitit.slurm.slurm import SlurmExecutor
+
+    monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 1))  # no srun on this machine
+    args = stool.LauncherArgs(nodes=2, gpus_per_node=4, partition="learn", time=90, signal_delay_s=120,
+                              account="team")
+    executor = stool.executor_for(args, tmp_path)
+    script = executor._executor._make_submission_file_text("python -m x", "ID")
+    for line in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--partition=learn", "--time=90",
+                 "--signal=USR2@120", "--account=team"):
+        assert f"#SBATCH {line}" in script, line
