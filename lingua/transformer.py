@@ -289,9 +289,7 @@ class Encoder(nn.Module):
 
         With all_layers, a list of every block's output (the residual stream), the last one after the final norm.
         """
-        h = self.tok_embeddings(tokens)
-        if self.args.scale_embeddings:  # else the blocks' outputs drown the token identities: see docs/
-            h = h * math.sqrt(self.args.dim)
+        h = self.embed(tokens)
         rope = self.rope(positions)
         bias = build_attn_bias(mask, self.args.attn_backend, self.args.n_heads)
         outputs = []
@@ -300,6 +298,12 @@ class Encoder(nn.Module):
             outputs.append(h)
         outputs[-1] = self.norm(h)
         return outputs if all_layers else outputs[-1]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The token embeddings as they enter the residual stream: times sqrt(dim) unless scale_embeddings is off
+        (unscaled, the blocks' outputs drown the token identities: docs/crossbert_slow_start.md)."""
+        h = self.tok_embeddings(tokens)
+        return h * math.sqrt(self.args.dim) if self.args.scale_embeddings else h
 
     def encode(self, tokens, pad_mask: torch.Tensor | None = None, all_layers: bool = False):
         """The full sequence at positions 0..S-1, padding (pad_mask False) hidden from the real tokens."""

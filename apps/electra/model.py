@@ -119,10 +119,9 @@ class Electra(nn.Module):
     def losses(self, tokens, inputs, mask_idx, uniforms):
         """The generator's MLM loss, the discriminator's RTD loss (gradients reach the generator only through the
         first: the sampling is not differentiated) and the logged stats."""
-        embeddings = self.discriminator.tok_embeddings
         positions = default_positions(tokens)
-        hidden = self.generator(embeddings(inputs), positions)
-        logits = F.linear(gather_tokens(hidden, mask_idx), embeddings.weight)
+        hidden = self.generator(self.discriminator.embed(inputs), positions)
+        logits = F.linear(gather_tokens(hidden, mask_idx), self.discriminator.tok_embeddings.weight)
         targets = tokens.gather(1, mask_idx)
         mlm_loss, mlm_stats = masked_lm_loss(logits, targets)
         with torch.no_grad():
