@@ -39,7 +39,17 @@ from typing import Any
 
 import yaml
 
-from lingua.args import UserError, _merge, _read_yaml, _set_dotted, command_line, from_dict, load_config
+from lingua.args import (
+    UserError,
+    _merge,
+    _read_yaml,
+    _set_dotted,
+    at_least,
+    command_line,
+    from_dict,
+    load_config,
+    require,
+)
 from lingua.files import atomic_write
 
 CODE_PACKAGES = ("lingua", "apps")  # copied whole (configs and data files too) into every run's dump_dir/code
@@ -68,8 +78,9 @@ class LauncherArgs:
     dry_run: bool = False  # print what would run, submit nothing (also --dry-run)
 
     def __post_init__(self):
-        if self.cluster not in CLUSTERS:
-            raise UserError(f"config key 'cluster' must be one of {', '.join(CLUSTERS)}, got '{self.cluster}'")
+        require(self.cluster in CLUSTERS, "cluster", f"must be one of {', '.join(CLUSTERS)}, got '{self.cluster}'")
+        at_least(self, 1, "nodes", "cpus_per_task", "mem_gb_per_task", "time", "array_parallelism", "parallel")
+        at_least(self, 0, "gpus_per_node", "signal_delay_s")
 
 
 @dataclass
@@ -289,11 +300,26 @@ def describe(dump_dir: Path) -> dict[str, Any]:
         info["state"], info["reason"] = "failed", reason
     elif steps is not None and info["step"] is not None and info["step"] >= steps:
         info["state"] = "finished"
-    elif outcome == "success":
+    elif outcome == "success" and not _newer_log(dump_dir):
         info["state"], info["reason"] = "stopped", "the job ended before the last step (a stop signal: resubmit)"
     else:
         info["state"] = "running" if (dump_dir / "train.log").exists() else "pending"
     return info
+
+
+def _newer_log(dump_dir: Path) -> bool:
+    """A requeued job writes its log after the result file of its previous attempt."""
+    results, log = _result_files(dump_dir), dump_dir / "train.log"
+    return bool(results) and log.exists() and log.stat().st_mtime > max(r.stat().st_mtime for r in results)
+
+
+def _result_files(dump_dir: Path) -> list[Path]:
+    """submitit's result files of the run's job (one per task), from the job.json stool wrote at submission."""
+    try:
+        job = json.loads((dump_dir / "job.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+    return sorted(Path(job["folder"]).glob(f"{job['job_id']}_*_result.pkl"))
 
 
 def _lines(path: Path) -> list[str]:
@@ -305,11 +331,7 @@ def _lines(path: Path) -> list[str]:
 
 def job_outcome(dump_dir: Path) -> tuple[str | None, str]:
     """('success' | 'error' | None, the error's last line) from submitit's result file of the run's job."""
-    try:
-        job = json.loads((dump_dir / "job.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None, ""
-    results = sorted(Path(job["folder"]).glob(f"{job['job_id']}_*_result.pkl"))
+    results = _result_files(dump_dir)
     if not results:
         return None, ""
     with open(results[0], "rb") as f:
