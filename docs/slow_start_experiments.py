@@ -1,8 +1,10 @@
 """The controlled experiments of docs/crossbert_slow_start.md: one change at a time to CrossBERT (or BERT), each
 patched in for this script only, on the diagnostic's task (apps/diagnose.py). From the repository root:
     python docs/slow_start_experiments.py VARIANT [diagnose key=value ...]
-VARIANT: base | mask_std=S | qk_norm | key_bias=S | layerwise | tied | bert_hidden_masks
+VARIANT: base | mask_std=S | qk_norm | key_bias=S | layerwise | tied | bert_hidden_masks | pred_lr=X | out_std=S |
+         pred_rope_theta=T | embedding_keys | centred_context
 Prints the held-out accuracy every 50 steps of the last app in apps= (default: CrossBERT, 20% masked, no CMS).
+They run with the default, unscaled embeddings; encoder.scale_embeddings=true adds the sqrt(dim) scale.
 """
 
 import dataclasses
@@ -108,17 +110,6 @@ def patch(variant: str) -> None:
             context = self.encoder.norm(self.encoder.tok_embeddings(inputs))
             return self.predictor(context, positions, query_positions, None)
         crossbert.CrossBert.predict = predict
-    elif name == "embedding_scale":  # token embeddings enter the residual stream times value (e.g. sqrt(dim))
-        embed = transformer.Encoder.forward
-
-        def forward(self, tokens, *rest, **kw):
-            original = self.tok_embeddings.forward
-            self.tok_embeddings.forward = lambda t: original(t) * float(value)
-            try:
-                return embed(self, tokens, *rest, **kw)
-            finally:
-                del self.tok_embeddings.forward
-        transformer.Encoder.forward = forward
     elif name == "centred_context":  # the predictor reads the encoder output minus its mean over the sequence
         def predict(self, inputs, positions, query_positions):
             h = self.encoder(inputs, positions, None)
