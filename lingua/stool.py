@@ -90,6 +90,7 @@ class PlannedRun:
     dump_dir: Path
     config: dict[str, Any]  # the resolved training config (a nested dict)
     overrides: dict[str, Any]  # what the run sets over its base config (dotted keys)
+    base_config: str = ""  # the base YAML, if any
 
 
 def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -160,7 +161,8 @@ def plan_sweep(sweep_file: str) -> tuple[Path, list[PlannedRun], dict[str, Any]]
         if not script:
             raise UserError(f"sweep file {sweep_file}: run {name} has no script")
         overrides = {**(spec.get("overrides") or {}), **setting, "dump_dir": str(root / name), "name": name}
-        planned.append(PlannedRun(name, script, root / name, resolve_config(script, config, overrides), overrides))
+        planned.append(PlannedRun(name, script, root / name, resolve_config(script, config, overrides), overrides,
+                                  config))
     return root, planned, spec.get("launcher") or {}
 
 
@@ -377,7 +379,8 @@ def run_command(argv: list[str]) -> None:
             raise UserError(f"expected key=value, got '{arg}'")
         _set_dotted(tree, key, yaml.safe_load(value) if value else "")
     config = resolve_config(args.script, args.config, _flatten(tree))
-    run = PlannedRun(Path(config["dump_dir"]).name, args.script, Path(config["dump_dir"]), config, _flatten(tree))
+    run = PlannedRun(Path(config["dump_dir"]).name, args.script, Path(config["dump_dir"]), config, _flatten(tree),
+                     args.config)
     _launch([run], args, run.dump_dir)
 
 
@@ -416,7 +419,8 @@ def _launch(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
         where = (f"slurm: {args.nodes} node(s) x {args.gpus_per_node} GPU(s), {args.time} min"
                  if args.cluster == "slurm" else "local: 1 process")
         for run in runs:
-            settings = " ".join(f"{key}={_yaml_value(value)}" for key, value in run.overrides.items())
+            settings = " ".join([f"config={run.base_config}"] * bool(run.base_config) + [
+                f"{key}={_yaml_value(value)}" for key, value in run.overrides.items()])
             print(f"{run.name} ({where}): python -m {run.script} {settings}")
         print(f"dry run: {len(runs)} run(s), nothing submitted")
         return

@@ -68,9 +68,10 @@ def test_bad_sweeps_fail_before_anything_is_submitted(tmp_path, corpus, change, 
 
 
 def test_dry_run_prints_and_writes_nothing(tmp_path, corpus, capsys):
-    stool.main(["sweep", f"sweep={write_sweep(tmp_path, corpus)}", "--dry-run"])
+    stool.main(["sweep", f"sweep={write_sweep(tmp_path, corpus, config='apps/bert/configs/debug.yaml')}", "--dry-run"])
     out = capsys.readouterr().out
-    assert "lr0.001 (local: 1 process): python -m apps.bert.train" in out and "optim.lr=0.003" in out
+    assert "lr0.001 (local: 1 process): python -m apps.bert.train config=apps/bert/configs/debug.yaml" in out
+    assert "optim.lr=0.003" in out
     assert "2 run(s), nothing submitted" in out
     assert not (tmp_path / "sweep").exists()
 
