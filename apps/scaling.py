@@ -13,6 +13,7 @@ validation loss against compute with its fitted law (loss), frozen GLUE probe av
 (probes, the paper's Figure 1; from each run's glue_eval results).
 """
 
+import copy
 import glob
 import json
 import sys
@@ -27,6 +28,7 @@ import yaml
 from lingua.app import load_app
 from lingua.args import UserError, _read_yaml, command_line, load_config
 from lingua.files import atomic_write
+from lingua.metrics import read_metrics
 from lingua.scaling import (
     TOKENS_PER_FLOP_PER_TOKEN,
     PowerLaw,
@@ -123,7 +125,7 @@ def plan(args: PlanArgs):
 
 def planned_config(args: PlanArgs, config: dict[str, Any], result) -> dict[str, Any]:
     name = f"{args.app}_{args.compute:.3g}".replace("+", "")
-    config = json.loads(json.dumps(config))
+    config = copy.deepcopy(config)
     config |= {"name": name, "dump_dir": args.dump_dir or f"dump/{name}", "steps": result.steps,
                "grad_acc_steps": result.grad_acc_steps}
     config.setdefault("data", {}).update(batch_size=result.batch_size, seq_len=args.seq_len)
@@ -180,11 +182,7 @@ def read_run(dump_dir: Path) -> dict[str, Any]:
     """What the fits and plots need from one run's dump_dir."""
     config = yaml.safe_load((dump_dir / "config.yaml").read_text())
     train, val = [], []
-    for line in (dump_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for record in read_metrics(dump_dir / "metrics.jsonl"):
         (val if "val/loss" in record else train if "loss" in record else []).append(record)
     if not train:
         raise UserError(f"{dump_dir} has no training metrics yet")

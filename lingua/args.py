@@ -80,14 +80,20 @@ def load_config(cls: type[T], argv: list[str], base: dict[str, Any] | None = Non
         raise HelpRequested(config_help(cls, base))
     tree: dict[str, Any] = dict(base or {})
     for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or not key:
-            raise UserError(f"expected key=value, got '{arg}'")
+        key, value = parse_assignment(arg)
         if key == "config":
             tree = _merge(tree, _read_yaml(value))
         else:
-            _set_dotted(tree, key, yaml.safe_load(value) if value else "")
+            _set_dotted(tree, key, value)
     return from_dict(cls, tree)
+
+
+def parse_assignment(arg: str) -> tuple[str, Any]:
+    """`key=value` -> (key, the value read as YAML; an empty value is the empty string)."""
+    key, sep, value = arg.partition("=")
+    if not sep or not key:
+        raise UserError(f"expected key=value, got '{arg}'")
+    return key, yaml.safe_load(value) if value else ""
 
 
 def from_dict(cls: type[T], tree: dict[str, Any], prefix: str = "") -> T:

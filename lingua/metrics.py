@@ -109,6 +109,17 @@ class MetricLogger:
         self.close()
 
 
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (none if it does not exist), skipping a line torn by a killed writer."""
+    records = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 def _step_of(line: str, default: int) -> int:
     try:
         return json.loads(line)["step"]

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import os
 import pickle
 import shutil
 import sys
@@ -41,16 +40,17 @@ import yaml
 
 from lingua.args import (
     UserError,
-    _merge,
     _read_yaml,
     _set_dotted,
     at_least,
     command_line,
     from_dict,
     load_config,
+    parse_assignment,
     require,
 )
 from lingua.files import atomic_write
+from lingua.metrics import read_metrics
 
 CODE_PACKAGES = ("lingua", "apps")  # copied whole (configs and data files too) into every run's dump_dir/code
 PATH_KEYS = ("dump_dir", "data.root_dir", "data.tokenizer.path", "init_from", "eval.data")  # made absolute
@@ -217,17 +217,6 @@ def train_job(script: str, config_file: str) -> dict[str, Any]:
     return train(app, load_config(app.args_cls, [f"config={config_file}"]))
 
 
-@contextlib.contextmanager
-def working_directory(path: Path):
-    """submitit's jobs (SLURM's and local ones) start in the directory they were submitted from."""
-    previous = Path.cwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
-
-
 def executor_for(args: LauncherArgs, folder: Path):
     import submitit
 
@@ -266,7 +255,7 @@ def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
 
 
 def _submit_one(executor, run: PlannedRun):
-    with working_directory(run.dump_dir / "code"):
+    with contextlib.chdir(run.dump_dir / "code"):  # submitit's jobs start where they were submitted from
         return executor.submit(train_job, run.script, str(run.dump_dir / "config.yaml"))
 
 
@@ -289,11 +278,7 @@ def describe(dump_dir: Path) -> dict[str, Any]:
     steps = None
     if (dump_dir / "config.yaml").exists():
         steps = (yaml.safe_load((dump_dir / "config.yaml").read_text()) or {}).get("steps")
-    for line in _lines(dump_dir / "metrics.jsonl"):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for record in read_metrics(dump_dir / "metrics.jsonl"):
         info["step"] = record.get("step", info["step"])
         info["loss"] = record.get("loss", info["loss"])
         info["val_loss"] = record.get("val/loss", info["val_loss"])
@@ -322,13 +307,6 @@ def _result_files(dump_dir: Path) -> list[Path]:
     except (FileNotFoundError, json.JSONDecodeError):
         return []
     return sorted(Path(job["folder"]).glob(f"{job['job_id']}_*_result.pkl"))
-
-
-def _lines(path: Path) -> list[str]:
-    try:
-        return path.read_text(errors="replace").splitlines()
-    except FileNotFoundError:
-        return []
 
 
 def job_outcome(dump_dir: Path) -> tuple[str | None, str]:
@@ -372,14 +350,9 @@ def run_command(argv: list[str]) -> None:
     args = load_config(LauncherArgs, mine)
     if not args.script:
         raise UserError("run needs script=MODULE (e.g. apps.crossbert.train)")
-    tree: dict[str, Any] = {}
-    for arg in overrides:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise UserError(f"expected key=value, got '{arg}'")
-        _set_dotted(tree, key, yaml.safe_load(value) if value else "")
-    config = resolve_config(args.script, args.config, _flatten(tree))
-    run = PlannedRun(Path(config["dump_dir"]).name, args.script, Path(config["dump_dir"]), config, _flatten(tree),
+    settings = dict(map(parse_assignment, overrides))
+    config = resolve_config(args.script, args.config, settings)
+    run = PlannedRun(Path(config["dump_dir"]).name, args.script, Path(config["dump_dir"]), config, settings,
                      args.config)
     _launch([run], args, run.dump_dir)
 
@@ -392,26 +365,12 @@ def sweep_command(argv: list[str]) -> None:
     if not cli.sweep:
         raise UserError("sweep needs sweep=FILE.yaml")
     root, runs, launcher = plan_sweep(cli.sweep)
-    args = load_config(LauncherArgs, [], base=_merge(launcher, _given(mine)))
+    args = load_config(LauncherArgs, mine, base=launcher)  # the command line wins over the file
     if not args.dry_run:
         root.mkdir(parents=True, exist_ok=True)
         atomic_write(root / "sweep.json", json.dumps({"sweep": str(Path(cli.sweep).resolve()),
                                                        "runs": [run.name for run in runs]}))
     _launch(runs, args, root)
-
-
-def _given(argv: list[str]) -> dict[str, Any]:
-    return {key: yaml.safe_load(value) for key, _, value in (arg.partition("=") for arg in argv)}
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat |= _flatten(value, f"{prefix}{key}.")
-        else:
-            flat[prefix + key] = value
-    return flat
 
 
 def _launch(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
