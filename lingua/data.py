@@ -2,7 +2,7 @@
 
 Layout: ROOT/SOURCE/train.*.jsonl (chunks, read in name order) and ROOT/SOURCE/valid.jsonl, one {"text": ...}
 document per line. Documents are tokenized as `<s> text </s>` (RoBERTa's format, which is also how evaluation,
-lingua/glue.py, feeds the encoder), concatenated and cut into rows of exactly seq_len tokens (no padding), a
+lingua/eval/features.py, feeds the encoder), concatenated and cut into rows of exactly seq_len tokens (no padding), a
 document that does not fit continuing in the next row of its source.
 
 Sharding: the chunks of a source are treated as one byte stream of T bytes; rank r owns the lines that START in bytes

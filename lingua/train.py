@@ -74,7 +74,7 @@ from lingua.distributed import (
 )
 from lingua.files import remove_partial_writes
 from lingua.flops import count_params
-from lingua.glue import GlueEvalArgs, check_args, run_glue_probes
+from lingua.eval.glue import GlueEvalArgs, check_args, run_glue_probes
 from lingua.metrics import (
     LoggingArgs,
     MetricLogger,

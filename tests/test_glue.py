@@ -14,7 +14,7 @@ from apps.bert.train import BertTrainArgs
 from apps.crossbert.model import CrossBertArgs
 from apps.crossbert.train import CrossBertTrainArgs
 from apps.eval import glue as glue_command
-from lingua import glue
+from lingua.eval import features, glue
 from lingua.args import UserError, to_dict
 from lingua.checkpoint import (
     CheckpointArgs,
@@ -146,62 +146,62 @@ def test_hf_without_datasets_is_a_clear_error(monkeypatch):
 
 def test_examples_are_encoded_roberta_style_and_truncated(tokenizer):
     bos, eos = tokenizer.bos_id, tokenizer.eos_id
-    assert glue.encode_example(tokenizer, ("ab",), 16) == [bos, 97, 98, eos]
-    assert glue.encode_example(tokenizer, ("ab", "c"), 16) == [bos, 97, 98, eos, eos, 99, eos]
-    assert glue.encode_example(tokenizer, ("abcdef",), 5) == [bos, 97, 98, 99, eos]
+    assert features.encode_example(tokenizer, ("ab",), 16) == [bos, 97, 98, eos]
+    assert features.encode_example(tokenizer, ("ab", "c"), 16) == [bos, 97, 98, eos, eos, 99, eos]
+    assert features.encode_example(tokenizer, ("abcdef",), 5) == [bos, 97, 98, 99, eos]
     # pairs: the longer sentence is shortened first, and both keep at least half the budget when both are long
-    assert glue.encode_example(tokenizer, ("abcdefgh", "x"), 8) == [bos, 97, 98, 99, eos, eos, 120, eos]
-    assert len(glue.encode_example(tokenizer, ("a" * 50, "b" * 50), 12)) == 12
+    assert features.encode_example(tokenizer, ("abcdefgh", "x"), 8) == [bos, 97, 98, 99, eos, eos, 120, eos]
+    assert len(features.encode_example(tokenizer, ("a" * 50, "b" * 50), 12)) == 12
 
 
 def test_mean_pool_ignores_padding():
     hidden = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]])
-    assert glue.mean_pool(hidden, torch.tensor([[True, True, False]])).tolist() == [[2.0, 3.0]]
+    assert features.mean_pool(hidden, torch.tensor([[True, True, False]])).tolist() == [[2.0, 3.0]]
 
 
 def test_features_do_not_depend_on_batching_or_padding(tokenizer):
     model = StandInEncoder().eval()
     texts = [("a",), ("a much longer sentence",), ("mid size", "pair"), ("zz",)]
-    batched = glue.extract_features(model, tokenizer, texts, ["last", "0"], 64, 3, CPU)
-    alone = glue.extract_features(model, tokenizer, texts, ["last", "0"], 64, 1, CPU)
+    batched = features.extract_features(model, tokenizer, texts, ["last", "0"], 64, 3, CPU)
+    alone = features.extract_features(model, tokenizer, texts, ["last", "0"], 64, 1, CPU)
     for layer in ("last", "0"):
         torch.testing.assert_close(batched[layer], alone[layer])
     assert batched["last"].shape == (4, 8) and not torch.allclose(batched["last"], batched["0"])
     # in the original order: the first row is the features of ("a",) alone
-    single = glue.extract_features(model, tokenizer, [("a",)], ["last"], 64, 1, CPU)["last"]
+    single = features.extract_features(model, tokenizer, [("a",)], ["last"], 64, 1, CPU)["last"]
     torch.testing.assert_close(batched["last"][0], single[0])
 
 
 def test_layer_specs(tokenizer):
     model = StandInEncoder(n_layers=3)
-    assert glue.resolve_layers("last", model, tokenizer, CPU) == ["last"]
-    assert glue.resolve_layers("all", model, tokenizer, CPU) == ["0", "1", "2"]
-    assert glue.resolve_layers("0,-1,last", model, tokenizer, CPU) == ["0", "2", "last"]
+    assert features.resolve_layers("last", model, tokenizer, CPU) == ["last"]
+    assert features.resolve_layers("all", model, tokenizer, CPU) == ["0", "1", "2"]
+    assert features.resolve_layers("0,-1,last", model, tokenizer, CPU) == ["0", "2", "last"]
     with pytest.raises(UserError, match="out of range"):
-        glue.resolve_layers("3", model, tokenizer, CPU)
+        features.resolve_layers("3", model, tokenizer, CPU)
 
 
 def test_evaluate_reuses_cached_features_per_model(tokenizer, tmp_path):
     model = StandInEncoder()
     args = _args(tasks=["sst2", "stsb"], probes=["linear"])
-    first = glue.evaluate_glue(model, tokenizer, args, CPU, glue.FeatureCache(tmp_path, "model-a"))
+    first = glue.evaluate_glue(model, tokenizer, args, CPU, features.FeatureCache(tmp_path, "model-a"))
     calls = model.calls
     again = glue.evaluate_glue(model, tokenizer, replace(args, probes=["knn", "linear"]), CPU,
-                               glue.FeatureCache(tmp_path, "model-a"))
+                               features.FeatureCache(tmp_path, "model-a"))
     assert model.calls == calls  # no forward pass: every split and layer came from the cache
     assert again["summary"]["last"]["linear"] == first["summary"]["last"]["linear"]
-    glue.evaluate_glue(model, tokenizer, args, CPU, glue.FeatureCache(tmp_path, "model-a-step-2"))
+    glue.evaluate_glue(model, tokenizer, args, CPU, features.FeatureCache(tmp_path, "model-a-step-2"))
     assert model.calls > calls  # another checkpoint identity: features recomputed
 
 
 def test_a_torn_cache_file_is_recomputed(tokenizer, tmp_path):
     model = StandInEncoder()
     args = _args(tasks=["sst2"], probes=["linear"])
-    first = glue.evaluate_glue(model, tokenizer, args, CPU, glue.FeatureCache(tmp_path, "model-a"))
+    first = glue.evaluate_glue(model, tokenizer, args, CPU, features.FeatureCache(tmp_path, "model-a"))
     torn = sorted(tmp_path.glob("sst2.train.*.pt"))[0]
     torn.write_bytes(torn.read_bytes()[:100])  # a crash half-way through writing it
     calls = model.calls
-    again = glue.evaluate_glue(model, tokenizer, args, CPU, glue.FeatureCache(tmp_path, "model-a"))
+    again = glue.evaluate_glue(model, tokenizer, args, CPU, features.FeatureCache(tmp_path, "model-a"))
     assert model.calls == calls + 4  # the torn split alone (16 examples, batches of 4) is encoded again
     assert again["summary"] == first["summary"] and torch.load(torn, weights_only=True)["features"].shape[0] == 16
 
@@ -210,7 +210,7 @@ def test_a_torn_cache_file_is_recomputed(tokenizer, tmp_path):
 def test_an_altered_cache_file_is_recomputed(tokenizer, tmp_path, alteration):
     model = StandInEncoder()
     args = _args(tasks=["sst2"], probes=["linear"])
-    first = glue.evaluate_glue(model, tokenizer, args, CPU, glue.FeatureCache(tmp_path, "model-a"))
+    first = glue.evaluate_glue(model, tokenizer, args, CPU, features.FeatureCache(tmp_path, "model-a"))
     cached = sorted(tmp_path.glob("sst2.train.*.pt"))[0]
     saved = torch.load(cached, weights_only=True)
     if alteration == "bytes":  # same size, other values
@@ -218,9 +218,9 @@ def test_an_altered_cache_file_is_recomputed(tokenizer, tmp_path, alteration):
     elif alteration == "dict":
         torch.save({"a": 1}, cached)
     else:
-        features = saved["features"][:3]
-        torch.save({"features": features, "sha256": glue._checksum(features)}, cached)
-    again = glue.evaluate_glue(model, tokenizer, args, CPU, glue.FeatureCache(tmp_path, "model-a"))
+        fewer = saved["features"][:3]
+        torch.save({"features": fewer, "sha256": features._checksum(fewer)}, cached)
+    again = glue.evaluate_glue(model, tokenizer, args, CPU, features.FeatureCache(tmp_path, "model-a"))
     assert again["summary"] == first["summary"]
 
 

@@ -4,7 +4,7 @@ import pytest
 import scipy.stats
 import torch
 
-from lingua import probes
+from lingua.eval import probes
 
 
 def _data(n=60, d=8, t=3, seed=0):

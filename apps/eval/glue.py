@@ -19,7 +19,9 @@ from lingua.args import UserError, command_line, load_config
 from lingua.checkpoint import load_model, resolve_checkpoint
 from lingua.distributed import resolve_device
 from lingua.files import atomic_write
-from lingua.glue import FeatureCache, GlueEvalArgs, check_args, evaluate_glue, format_table
+from lingua.eval.features import FeatureCache
+from lingua.eval.glue import GlueEvalArgs, check_args, evaluate_glue
+from lingua.eval.report import format_table
 from lingua.metrics import setup_logging
 
 

@@ -10,7 +10,7 @@ Protocol, and the choices the paper leaves open:
 - Training examples: one seeded permutation of the train split, capped at `max_train`; the nested subsets of sizes
   1, 10, 100, ... are its prefixes. Scores are on the validation split (MNLI: dev_matched), in percent.
 - Linear probe: ridge on one-hot targets (arg-max) or on the STS-B score, standardised features and an unregularised
-  intercept (see lingua/probes.py), for log-spaced λ in [1, 1e4]. The reported score is the best over λ at the
+  intercept (see lingua/eval/probes.py), for log-spaced λ in [1, 1e4]. The reported score is the best over λ at the
   largest training size, i.e. λ is chosen on the validation split, as in the paper; the full curve is kept.
 - kNN probe: majority vote (STS-B: mean score) of the k nearest training examples on the raw features, for L2 and
   cosine and k in {1, 3, 10, 30}; the reported score is the best over k and distance (again chosen on validation).
@@ -19,26 +19,22 @@ Protocol, and the choices the paper leaves open:
 """
 
 import csv
-import hashlib
-import json
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from lingua import probes
 from lingua.args import UserError, at_least
-from lingua.files import atomic_write
+from lingua.eval import probes
+from lingua.eval.features import DEFAULT_MAX_LEN, FeatureCache, extract_features, resolve_layers
 
 logger = logging.getLogger(__name__)
 
 HF_GLUE = "nyu-mll/glue"
 PROBES = ("linear", "knn")
-DEFAULT_MAX_LEN = 512
 
 
 @dataclass(frozen=True)
@@ -211,143 +207,6 @@ def load_split(task: GlueTask, split: str, data: str) -> GlueSplit:
     return result
 
 
-# ------------------------------------------------------------------------------------------------------ features
-
-
-def encode_example(tokenizer, texts: tuple[str, ...], max_len: int) -> list[int]:
-    """`<s> a </s>` or `<s> a </s></s> b </s>` (RoBERTa's pair format), at most max_len tokens."""
-    ids = [tokenizer.encode(t) for t in texts]
-    budget = max_len - 2 * len(ids)
-    if len(ids) == 1:
-        return [tokenizer.bos_id, *ids[0][:budget], tokenizer.eos_id]
-    a, b = ids
-    keep_a = min(len(a), max(budget - len(b), budget // 2))  # shorten the longer sentence first
-    keep_b = min(len(b), budget - keep_a)
-    return [tokenizer.bos_id, *a[:keep_a], tokenizer.eos_id, tokenizer.eos_id, *b[:keep_b], tokenizer.eos_id]
-
-
-def mean_pool(hidden: Tensor, pad_mask: Tensor) -> Tensor:
-    """[B, S, D] averaged over the real tokens (pad_mask True) -> [B, D] in float32."""
-    mask = pad_mask.unsqueeze(-1).to(torch.float32)
-    return (hidden.float() * mask).sum(1) / mask.sum(1).clamp_min(1)
-
-
-def count_layers(model, tokenizer, device: torch.device) -> int:
-    tokens = torch.tensor([[tokenizer.bos_id, tokenizer.eos_id]], device=device)
-    with torch.no_grad():
-        return len(model.encode(tokens, torch.ones_like(tokens, dtype=torch.bool), all_layers=True))
-
-
-def resolve_layers(spec: str, model, tokenizer, device: torch.device) -> list[str]:
-    """Layer names from "last", "all" or "0,5,last": "last" or the index (>= 0) into encode(all_layers=True)."""
-    parts = [p.strip() for p in str(spec).split(",") if p.strip()]
-    if parts == ["last"]:
-        return parts
-    n_layers = count_layers(model, tokenizer, device)
-    names: list[str] = []
-    for part in parts:
-        if part == "all":
-            names += [str(i) for i in range(n_layers)]
-        elif part == "last":
-            names.append(part)
-        else:
-            try:
-                index = int(part)
-            except ValueError:
-                raise UserError(f"layers: expected 'last', 'all' or layer numbers, got '{part}'") from None
-            if not -n_layers <= index < n_layers:
-                raise UserError(f"layers: {index} is out of range, the model has {n_layers} layers")
-            names.append(str(index % n_layers))
-    return list(dict.fromkeys(names))
-
-
-@torch.no_grad()
-def extract_features(model, tokenizer, texts: list[tuple[str, ...]], layers: list[str], max_len: int,
-                     batch_size: int, device: torch.device, desc: str = "") -> dict[str, Tensor]:
-    """Mean-pooled features [N, D] (float32, on CPU) per layer, in the order of `texts`.
-
-    Examples are sorted by length (longest first, so memory problems show at once) to keep padding small, and
-    put back in order at the end. The caller sets eval mode.
-    """
-    seqs = [encode_example(tokenizer, t, max_len) for t in texts]
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    per_layer: dict[str, list[Tensor]] = {layer: [] for layer in layers}
-    every, start = max(1, len(batches) // 10), time.perf_counter()
-    logger.info(f"{desc}: encoding {len(seqs)} examples in {len(batches)} batches")
-    for b, batch in enumerate(batches):
-        tokens, pad_mask = _pad([seqs[i] for i in batch], tokenizer.pad_id, device)
-        for layer, hidden in _layer_outputs(model, tokens, pad_mask, layers).items():
-            per_layer[layer].append(mean_pool(hidden, pad_mask).cpu())
-        if (b + 1) % every == 0 and b + 1 < len(batches):
-            logger.info(f"{desc}: {b + 1}/{len(batches)} batches, {time.perf_counter() - start:.1f}s")
-    logger.info(f"{desc}: done in {time.perf_counter() - start:.1f}s")
-    position = torch.empty(len(order), dtype=torch.long)
-    position[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
-    return {layer: torch.cat(parts)[position] for layer, parts in per_layer.items()}
-
-
-def _pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    lengths = torch.tensor([len(seq) for seq in seqs])
-    tokens = torch.full((len(seqs), int(lengths.max())), pad_id, dtype=torch.long)
-    for row, seq in enumerate(seqs):
-        tokens[row, :len(seq)] = torch.tensor(seq)
-    pad_mask = torch.arange(tokens.shape[1]) < lengths[:, None]
-    return tokens.to(device), pad_mask.to(device)
-
-
-def _layer_outputs(model, tokens: Tensor, pad_mask: Tensor, layers: list[str]) -> dict[str, Tensor]:
-    """One forward pass; all_layers only when a numbered layer is wanted (its last entry is the final output)."""
-    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=tokens.device.type == "cuda"):
-        if layers == ["last"]:
-            return {"last": model.encode(tokens, pad_mask)}
-        outputs = model.encode(tokens, pad_mask, all_layers=True)
-    return {layer: outputs[-1 if layer == "last" else int(layer)] for layer in layers}
-
-
-class FeatureCache:
-    """Features on disk, one file per (model, task, split, layer, max_len, exact list of texts).
-
-    `model_id` must change whenever the weights do (the CLI uses the checkpoint's path, sizes and mtimes); the texts
-    are hashed into the key, so a different data source, training cap or seed never reuses stale features.
-    """
-
-    def __init__(self, directory: str | Path, model_id: str):
-        self.directory, self.model_id = Path(directory), model_id
-
-    def path(self, task: str, split: str, layer: str, max_len: int, texts: list[tuple[str, ...]]) -> Path:
-        digest = hashlib.sha1(json.dumps([self.model_id, max_len, texts]).encode()).hexdigest()[:16]
-        return self.directory / f"{task}.{split}.layer-{layer}.{digest}.pt"
-
-    def load(self, path: Path, rows: int) -> Tensor | None:
-        """The cached features of `rows` examples, or None when absent or not intact (a file torn by a crash or
-        altered is removed and recomputed)."""
-        if not path.is_file():
-            return None
-        try:
-            saved = torch.load(path, weights_only=True)
-            features = saved["features"]
-            intact = features.ndim == 2 and len(features) == rows and saved["sha256"] == _checksum(features)
-        except Exception:  # truncated zip, bad pickle, another layout: any failure means "recompute"
-            intact = False
-        if intact:
-            return features
-        logger.warning(f"feature cache file {path.name} is not intact: recomputing it")
-        path.unlink(missing_ok=True)
-        return None
-
-    def save(self, path: Path, features: Tensor) -> None:
-        saved = {"features": features, "sha256": _checksum(features)}
-        try:
-            atomic_write(path, lambda file: torch.save(saved, file))
-        except (OSError, RuntimeError) as e:  # a full disk (torch.save says RuntimeError): the cache only saves time
-            logger.warning(f"could not cache features in {path.parent}: {e}")
-
-
-def _checksum(features: Tensor) -> str:
-    return hashlib.sha256(features.contiguous().numpy().tobytes()).hexdigest()
-
-
 def split_features(model, tokenizer, task: GlueTask, split: str, data: GlueSplit, layers: list[str],
                    args: GlueEvalArgs, device: torch.device, cache: FeatureCache | None) -> dict[str, Tensor]:
     """Cached features where present; one forward pass for the layers that are missing."""
@@ -508,39 +367,3 @@ def run_glue_probes(model, tokenizer, args: GlueEvalArgs, device: torch.device) 
     return flat_metrics(evaluate_glue(model, tokenizer, args, device))
 
 
-def format_table(results: dict) -> str:
-    """The paper's layout (one row per probe and layer, the tasks in its column order, their average), preceded,
-    for a single layer, by one row per task with its other metrics and the chosen λ or k."""
-    lines = []
-    if len(results["layers"]) == 1:
-        lines += _task_rows(results, results["layers"][0])
-    lines.append(f"{'probe':<16}" + "".join(f"{t.title:>6}" for t in TASKS.values()) + f"{'Avg.':>6}")
-    for layer, per_probe in results["summary"].items():
-        for probe, scores in per_probe.items():
-            cells = "".join(f"{scores[name]:>6.1f}" if name in scores else f"{'-':>6}" for name in TASKS)
-            lines.append(f"{probe + ('' if layer == 'last' else f' L{layer}'):<16}{cells}{scores['avg']:>6.1f}")
-    if results["skipped"]:
-        lines.append(f"Avg. over the {len(results['tasks'])} tasks evaluated; skipped: "
-                     + "; ".join(f"{TASKS[name].title} ({why})" for name, why in results["skipped"].items()))
-    return "\n".join(lines)
-
-
-def _task_rows(results: dict, layer: str) -> list[str]:
-    probe_names = list(results["summary"][layer])
-    lines = [f"GLUE frozen probes, layer {layer}: validation scores in %",
-             f"{'task':<6} {'metric':<9} {'train':>6} {'dev':>6}" + "".join(f"{p:>8}" for p in probe_names)
-             + "  details"]
-    for name, r in results["tasks"].items():
-        task, per_probe = TASKS[name], r["layers"][layer]
-        details = "; ".join(f"{p}: " + ", ".join([f"{m} {v:.1f}" for m, v in per_probe[p]["metrics"].items()
-                                                  if m != task.headline] + [_best(per_probe[p]["best"])])
-                            for p in probe_names)
-        lines.append(f"{task.title:<6} {task.headline:<9} {r['n_train']:>6} {r['n_dev']:>6}"
-                     + "".join(f"{per_probe[p]['score']:>8.1f}" for p in probe_names) + f"  {details}")
-    return lines + [""]
-
-
-def _best(best: dict) -> str:
-    if "lambda" in best:
-        return f"λ={best['lambda']:.3g}"
-    return f"k={best['k']} {best['distance']}"
