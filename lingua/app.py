@@ -6,6 +6,8 @@ An app is a folder `apps/<name>/` with
 - `train.py`: `<Name>TrainArgs(TrainArgs)` adding `model: <Name>Args`, and a module-level `APP = App(...)` (checkpoints
   store the module's name and rebuild the model through it), then `main(APP)`;
 - `configs/*.yaml`.
+An app that trains on something other than packed text rows (e.g. contrastive triplets) gives its own `DataPipeline`;
+one that starts from another app's weights gives `load_init` (and `configure`, to take that run's shapes).
 The model args hold the backbone as `encoder: TransformerArgs` (the loop reads `encoder.max_seqlen`; resuming compares
 the architecture fields of every `TransformerArgs` under `model`). The loop builds the model on the meta device, parallelises it, materialises it and calls `init_weights`; it owns
 the data, the optimizer, the schedule, checkpoints, logging and the random generator; the model owns its masking,
@@ -23,6 +25,8 @@ import torch
 from torch import nn
 
 from lingua.args import UserError, load_config
+from lingua.checkpoint import load_weights
+from lingua.data import build_train_loader, load_validation, repartition
 
 
 class EncoderModel(Protocol):
@@ -43,6 +47,11 @@ class EncoderModel(Protocol):
     def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         """Tokens predicted in this batch, from shapes only (no sync): logged as predicted_tokens_per_s."""
 
+    @property
+    def backbone(self) -> nn.Module:
+        """The `lingua.transformer.Encoder` whose states `encode` returns: what embeddings, contrastive training and
+        fine-tuning start from."""
+
     def encode(self, tokens: torch.Tensor, pad_mask: torch.Tensor | None = None, all_layers: bool = False):
         """The frozen representation for evaluation: the full, unmasked sequence [B, S] -> hidden states [B, S, D]
         after the final norm (padding, pad_mask False, hidden), or every layer's output with all_layers."""
@@ -62,11 +71,29 @@ class EncoderModel(Protocol):
         """Fills every parameter and buffer after materialisation from the meta device (under torch.no_grad)."""
 
 
+@dataclass(frozen=True)
+class DataPipeline:
+    """Where an app's batches come from. Each batch is a LongTensor with the batch first (it goes to `make_batch`);
+    every function takes the config's `data` section."""
+
+    build_loader: Callable  # (data args, tokenizer, rank, world_size, state or None) -> endless iterator of batches
+    # with state_dict() (plain JSON: where the next batch starts), malformed_lines, close() and the context protocol
+    load_validation: Callable  # (data args, tokenizer, n_rows) -> fixed validation rows, the batch first
+    repartition: Callable  # (states saved by N ranks, world_size, data args) -> one state per new rank
+    row_shape: Callable  # (data args) -> the shape of one row of a batch, e.g. (seq_len,)
+
+
+TEXT = DataPipeline(build_train_loader, load_validation, repartition, lambda args: (args.seq_len,))
+
+
 @dataclass
 class App:
     name: str  # the module that defines APP, e.g. "apps.bert.train"; stored with checkpoints to rebuild the model
     args_cls: type  # a TrainArgs subclass with a `model` field
     build_model: Callable[[Any, Any], EncoderModel]  # (model args, tokenizer) -> model, called on the meta device
+    data: DataPipeline = TEXT  # packed rows of the text corpus (lingua/data.py)
+    configure: Callable[[Any], None] | None = None  # fills unset config fields before the run starts (in place)
+    load_init: Callable[[str, Any], dict] = load_weights  # (init_from path, model) -> the config it was trained with
 
     @property
     def model_args_cls(self) -> type:

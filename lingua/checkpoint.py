@@ -281,6 +281,23 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
+def read_params(path: str | Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    """The app and config of anything `resolve_checkpoint` accepts, and the shape of each model tensor, without
+    building the model (a consolidated file is memory-mapped, not read)."""
+    path = resolve_checkpoint(path)
+    try:
+        if path.is_dir():
+            return verify(path), saved_shapes(path)
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except DamagedCheckpoint as e:
+        raise UserError(f"checkpoint {path} is damaged: {e}") from None
+    except Exception as e:  # pickle, zip and torch errors of every kind: this is not one of our files
+        raise UserError(f"{path} is not a checkpoint (torch.load: {type(e).__name__})") from None
+    if not isinstance(saved, dict) or not {"app", "config", "model"} <= saved.keys():
+        raise UserError(f"{path} is not a checkpoint of this library (no app, config and model in it)")
+    return {"app": saved["app"], "config": saved["config"]}, {k: tuple(v.shape) for k, v in saved["model"].items()}
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """Model (eval mode), config and tokenizer from anything `resolve_checkpoint` accepts; a file that is not a
     checkpoint, or a damaged one, is a UserError naming it."""

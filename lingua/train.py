@@ -44,13 +44,12 @@ from lingua.checkpoint import (
     CheckpointManager,
     DamagedCheckpoint,
     export_consolidated,
-    load_weights,
     parameters_finite,
     saved_shapes,
     shape_mismatches,
     verify,
 )
-from lingua.data import DataArgs, build_train_loader, load_validation, repartition
+from lingua.data import DataArgs
 from lingua.distributed import (
     DistributedArgs,
     Launch,
@@ -159,12 +158,12 @@ class Throughput:
     """Tokens per second and MFU of all ranks together over the steps since the last report, and the share of this
     rank's time spent waiting for its data loader."""
 
-    def __init__(self, model, args: TrainArgs, world_size: int, device: torch.device):
+    def __init__(self, model, args: TrainArgs, row_tokens: int, world_size: int, device: torch.device):
         self.world_size = world_size
-        seqs = args.data.batch_size * args.grad_acc_steps * world_size
+        rows = args.data.batch_size * args.grad_acc_steps * world_size
         self.per_step = {
-            "data_tokens": seqs * args.data.seq_len,
-            "token_views": seqs * args.data.seq_len * model.views_per_sequence,
+            "data_tokens": rows * row_tokens,
+            "token_views": rows * row_tokens * model.views_per_sequence,
         }
         self.flops_per_view = model.flops_per_token_view(args.data.seq_len)  # the paper's count (no output head)
         self.flops_per_view_with_head = self.flops_per_view + model.head_flops_per_token_view(args.data.seq_len)
@@ -243,6 +242,8 @@ def train(app: App, args) -> dict[str, Any]:
     """Trains, or resumes, the run in args.dump_dir, in this process and the others of its launch. The dump_dir is
     locked for the run; nothing in it is written before the start has succeeded (config checked, checkpoint
     loaded, data found)."""
+    if app.configure is not None:
+        app.configure(args)
     launch = detect_launch()
     device = resolve_device(args.device, launch.local_rank)
     if args.data.seq_len > args.model.encoder.max_seqlen:
@@ -278,7 +279,7 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
     rank, world_size = launch.rank, launch.world_size
     tokenizer = build_tokenizer(args.data.tokenizer)
     model = build_model(app.build_model, args.model, tokenizer, device, args.seed, (args.distributed, launch))
-    check_batch_shape(model, args, device)
+    check_batch_shape(model, app.data.row_shape(args.data), device)
     optimizer = build_optimizer(model, args.optim)
     params = {"app": app.name, "config": to_dict(args)}
     checkpoints = CheckpointManager(dump_dir / "checkpoints", args.checkpoint)
@@ -292,7 +293,7 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
     if state is None:
         state = {"step": 0, "data": None, "data_tokens": 0}
         if args.init_from:
-            changed = architecture_changes(load_weights(args.init_from, model), args)
+            changed = architecture_changes(app.load_init(args.init_from, model), args)
             if changed:
                 raise UserError(f"init_from {args.init_from} is a model of another architecture ({', '.join(changed)})")
             logger.info(f"initialised the model from {args.init_from} (weights only: step, optimizer and data start "
@@ -302,8 +303,8 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
 
     val_tokens = None
     if args.validation.every > 0:  # every rank holds all rows; `validate` splits each chunk over the ranks
-        val_tokens = load_validation(args.data, tokenizer, args.validation.n_sequences)
-    throughput = Throughput(model, args, world_size, device)
+        val_tokens = app.data.load_validation(args.data, tokenizer, args.validation.n_sequences)
+    throughput = Throughput(model, args, math.prod(app.data.row_shape(args.data)), world_size, device)
     logger.info(
         f"{app.name}: {count_params(model):,} parameters ({count_params(model, embeddings=False):,} outside the "
         f"embedding) on {world_size} process(es) ({launch.source}, {device.type}"
@@ -317,7 +318,7 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
     window, guard = Window(), NonFiniteGuard(device, checkpoints)
     start = time.perf_counter()
     with (
-        on_every_rank(lambda: build_train_loader(args.data, tokenizer, rank, world_size, state["data"])) as loader,
+        on_every_rank(lambda: app.data.build_loader(args.data, tokenizer, rank, world_size, state["data"])) as loader,
         MetricLogger(dump_dir / "metrics.jsonl", state["step"], args.logging, params["config"], rank == 0) as metrics,
         StopSignal(args.distributed.stop_signal) as stop,
     ):
@@ -371,10 +372,10 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
     return summary
 
 
-def check_batch_shape(model, args, device: torch.device) -> None:
-    """The app can make a batch of data.seq_len tokens (e.g. its mask ratio masks at least one token); checked at the
+def check_batch_shape(model, row_shape: tuple[int, ...], device: torch.device) -> None:
+    """The app can make a batch of rows of this shape (e.g. its mask ratio masks at least one token); checked at the
     start with a throwaway generator, so the run's random draws are untouched."""
-    tokens = torch.zeros(1, args.data.seq_len, dtype=torch.long, device=device)
+    tokens = torch.zeros(1, *row_shape, dtype=torch.long, device=device)
     model.make_batch(tokens, torch.Generator(device).manual_seed(0))
 
 
@@ -407,7 +408,7 @@ def resume(checkpoints: CheckpointManager, model, optimizer, app: App, args, lau
         logger.warning(f"the checkpoint was saved by {len(states)} process(es), this run has {launch.world_size}: "
                        "the masking random state starts afresh on every rank")
         old = [s["data"] for s in states]
-        data = on_every_rank(lambda: repartition(old, launch.world_size, args.data))[launch.rank]
+        data = on_every_rank(lambda: app.data.repartition(old, launch.world_size, args.data))[launch.rank]
         return {**states[0], "data": data, "generator": None}
 
 

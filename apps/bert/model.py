@@ -48,6 +48,10 @@ class Bert(nn.Module):
     def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["targets"].numel()
 
+    @property
+    def backbone(self) -> Encoder:
+        return self.encoder
+
     def encode(self, tokens, pad_mask=None, all_layers: bool = False):
         return self.encoder.encode(tokens, pad_mask, all_layers)
 

@@ -189,6 +189,10 @@ class CrossBert(nn.Module):
     def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["targets"].numel()
 
+    @property
+    def backbone(self) -> Encoder:
+        return self.encoder
+
     def encode(self, tokens, pad_mask=None, all_layers: bool = False):
         """The encoder on the full, unmasked sequence (evaluation)."""
         return self.encoder.encode(tokens, pad_mask, all_layers)

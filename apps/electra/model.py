@@ -136,6 +136,10 @@ class Electra(nn.Module):
     def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["tokens"].numel()  # the discriminator labels every token
 
+    @property
+    def backbone(self) -> Encoder:
+        return self.discriminator
+
     def encode(self, tokens, pad_mask=None, all_layers: bool = False):
         """The discriminator on the full, uncorrupted sequence (evaluation)."""
         return self.discriminator.encode(tokens, pad_mask, all_layers)

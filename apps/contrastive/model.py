@@ -1,0 +1,165 @@
+"""Contrastive probing and fine-tuning (paper section 4.2 and 5.1, "Eval on MTEB"): a pre-trained encoder, a pooler,
+and the InfoNCE loss of eq. 5.
+
+Each row of a batch is a query, its positive passage and its hard negatives. Every text is encoded by the backbone
+and pooled into a unit vector (lingua/pooler.py). Query i is scored against every passage of the step, its own hard
+negatives, the other queries' positives and negatives (in-batch negatives) and, when distributed, those of every
+rank (gathered with their gradients), by cosine similarity over a temperature:
+
+    L = -1/N sum_i log( exp(cos(q_i, p_i) / t) / sum_{p in passages} exp(cos(q_i, p) / t) )
+
+`frozen: true` (the paper's frozen protocol) trains the pooler only: the backbone's states are computed without
+gradient and its parameters do not require one. `frozen: false` fine-tunes everything.
+
+The backbone comes from `init_from=` (any app's run or checkpoint): `configure` takes its encoder shape and
+tokenizer, and `load_pretrained` its weights, plus, for CrossBERT with `pooler.warm_start`, the predictor's weights
+into the attention pooler (Appendix D); the pooler takes the predictor's depth and heads for that.
+"""
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.nn.functional import all_gather
+
+from lingua.args import UserError, from_dict, require, to_dict
+from lingua.checkpoint import load_model, read_params
+from lingua.flops import encoder_flops_per_token
+from lingua.pooler import AttentionPooler, PoolerArgs, mean_pool_normalised, pooler_transformer, predictor_state
+from lingua.transformer import Encoder, TransformerArgs, head_dim_of, init_weights, trunc_normal_
+
+RUNTIME_KEYS = ("attn_backend", "head_chunk")  # the encoder's settings that are this run's choice, not the model's
+
+
+@dataclass
+class ContrastiveArgs:
+    encoder: TransformerArgs = field(default_factory=TransformerArgs)  # with init_from: the pre-trained run's
+    pooler: PoolerArgs = field(default_factory=PoolerArgs)
+    temperature: float = 0.05  # cosine similarities are divided by it
+    frozen: bool = True  # true: only the pooler trains (the frozen protocol) | false: full fine-tuning
+
+    def __post_init__(self):
+        require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+
+
+def info_nce(queries: torch.Tensor, passages: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """Eq. 5 over unit vectors: queries [N, D], passages [P, D], targets [N] (the index of each query's positive
+    among the passages). Returns the mean loss and the share of queries whose positive scores highest."""
+    logits = queries.float() @ passages.float().T / temperature
+    return F.cross_entropy(logits, targets), (logits.argmax(1) == targets).float().mean()
+
+
+class Contrastive(nn.Module):
+    views_per_sequence = 1  # a row (a query and its passages) is one view of itself
+
+    def __init__(self, args: ContrastiveArgs, vocab_size: int, pad_id: int):
+        super().__init__()
+        self.args, self.pad_id = args, pad_id
+        self.encoder = Encoder(args.encoder, vocab_size)
+        attention = args.pooler.kind == "attention"
+        self.pooler = AttentionPooler(pooler_transformer(args.pooler, args.encoder)) if attention else None
+        if args.frozen:
+            self.encoder.requires_grad_(False)
+
+    @property
+    def backbone(self) -> Encoder:
+        return self.encoder
+
+    def make_batch(self, rows: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"rows": rows}  # no random draw: the negatives are in the data
+
+    def forward(self, rows: torch.Tensor):
+        """rows [B, T, L]: query, positive, T - 2 negatives per row."""
+        B, T, L = rows.shape
+        vectors = self.embed(rows.reshape(B * T, L)).view(B, T, -1)
+        passages = vectors[:, 1:].reshape(B * (T - 1), -1)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if world > 1:  # every rank's passages are negatives for every query; gradients flow back to their rank
+            passages = torch.cat(all_gather(passages))
+        targets = (rank * B + torch.arange(B, device=rows.device)) * (T - 1)
+        loss, accuracy = info_nce(vectors[:, 0], passages, targets, self.args.temperature)
+        return loss, {"accuracy": accuracy}
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[N, L] token rows (padded with the pad id) -> [N, D] unit vectors."""
+        pad_mask = tokens != self.pad_id
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.args.frozen):
+            hidden = self.encoder.encode(tokens, pad_mask)
+        return self.pool(hidden, pad_mask)
+
+    def pool(self, hidden: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+        return mean_pool_normalised(hidden, pad_mask) if self.pooler is None else self.pooler(hidden, pad_mask)
+
+    def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["rows"].shape[0]  # one prediction per query: which passage is its positive
+
+    def encode(self, tokens, pad_mask=None, all_layers: bool = False):
+        return self.encoder.encode(tokens, pad_mask, all_layers)
+
+    def flops_per_token_view(self, seq_len: int) -> float:
+        """Per padded token of a text: the backbone's eq. 7 (forward only when frozen: a third), plus the pooler's
+        key and value projections of the token (forward and backward; its single query's cost is left out)."""
+        backbone = encoder_flops_per_token(self.args.encoder, seq_len) / (3 if self.args.frozen else 1)
+        if self.pooler is None:
+            return backbone
+        pooler = self.pooler.args
+        return backbone + 6 * 2 * pooler.dim * pooler.n_heads * head_dim_of(pooler) * pooler.n_layers
+
+    def head_flops_per_token_view(self, seq_len: int) -> float:
+        return 0.0  # no output head
+
+    def sharding_units(self) -> list[nn.Module]:
+        return [*self.encoder.layers, *(self.pooler.layers if self.pooler is not None else [])]
+
+    def init_weights(self) -> None:
+        init_weights(self, self.args.encoder.init_std)
+        if self.pooler is not None:
+            trunc_normal_(self.pooler.query, self.args.encoder.init_std)
+
+
+def build_contrastive(args: ContrastiveArgs, tokenizer) -> Contrastive:
+    return Contrastive(args, tokenizer.vocab_size, tokenizer.pad_id)
+
+
+# ------------------------------------------------------------------------------------- the pre-trained backbone
+
+
+def configure(args) -> None:
+    """With init_from, the model's encoder and the tokenizer become the pre-trained run's, and a warm-started
+    attention pooler takes its predictor's depth and heads."""
+    if not args.init_from:
+        return
+    if not Path(args.init_from).exists():
+        raise UserError(f"init_from not found: {args.init_from} (the pre-trained run this run starts from)")
+    params, shapes = read_params(args.init_from)
+    source = params["config"]
+    encoder = {k: v for k, v in source["model"]["encoder"].items() if k not in RUNTIME_KEYS}
+    args.model.encoder = replace(args.model.encoder, **encoder)
+    args.data.tokenizer = from_dict(type(args.data.tokenizer), source["data"]["tokenizer"])
+    predictor_layers = {name.split(".")[2] for name in shapes if name.startswith("predictor.layers.")}
+    if args.model.pooler.kind == "attention" and args.model.pooler.warm_start and predictor_layers:
+        n_heads = (source["model"].get("predictor") or {}).get("n_heads") or args.model.encoder.n_heads
+        args.model.pooler = replace(args.model.pooler, n_layers=len(predictor_layers), n_heads=n_heads)
+
+
+def load_pretrained(path: str, model: Contrastive) -> dict:
+    """The backbone's weights of any app's checkpoint into the encoder, and a CrossBERT predictor's into the attention
+    pooler when it warm-starts. Returns the checkpoint's config."""
+    source, config, _ = load_model(path, "cpu")
+    state = {f"encoder.{k}": v for k, v in source.backbone.state_dict().items()}
+    predictor = getattr(source, "predictor", None)
+    if model.pooler is not None and model.args.pooler.warm_start and predictor is not None:
+        try:
+            state |= {f"pooler.{k}": v for k, v in predictor_state(predictor.state_dict()).items()}
+        except ValueError as e:
+            raise UserError(f"init_from {path}: {e}") from None
+    expected = dict(model.state_dict())
+    mismatched = sorted(k for k, v in state.items() if k not in expected or expected[k].shape != v.shape)
+    if mismatched:
+        raise UserError(f"init_from {path}: its weights do not fit this model (first: {mismatched[0]})")
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    return {"model": {"encoder": to_dict(config.model.encoder)}, "data": {"tokenizer": to_dict(config.data.tokenizer)}}

@@ -1,0 +1,30 @@
+"""Contrastive probing (frozen backbone, the pooler trains) or fine-tuning of a pre-trained run:
+python -m apps.contrastive.train config=apps/contrastive/configs/debug.yaml init_from=PRETRAINED_RUN [key=value ...]"""
+
+from dataclasses import dataclass, field
+
+from apps.contrastive.data import (
+    TripletDataArgs,
+    build_triplet_loader,
+    load_triplet_validation,
+    repartition_triplets,
+    row_shape,
+)
+from apps.contrastive.model import ContrastiveArgs, build_contrastive, configure, load_pretrained
+from lingua.app import DataPipeline
+from lingua.train import App, TrainArgs, main
+
+TRIPLETS = DataPipeline(build_triplet_loader, load_triplet_validation, repartition_triplets, row_shape)
+
+
+@dataclass
+class ContrastiveTrainArgs(TrainArgs):
+    data: TripletDataArgs = field(default_factory=TripletDataArgs)
+    model: ContrastiveArgs = field(default_factory=ContrastiveArgs)
+
+
+APP = App(name="apps.contrastive.train", args_cls=ContrastiveTrainArgs, build_model=build_contrastive,
+          data=TRIPLETS, configure=configure, load_init=load_pretrained)
+
+if __name__ == "__main__":
+    main(APP)

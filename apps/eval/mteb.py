@@ -1,0 +1,82 @@
+"""MTEB evaluation of a checkpoint's sentence embeddings (mteb's own evaluation, no prompts, as in the paper):
+
+    python -m apps.eval.mteb ckpt=DUMP_DIR_OR_CHECKPOINT [benchmark="MTEB(eng, v2)"] [tasks=STS12,SciFact]
+        [batch_size=32] [device=auto] [pooling=auto] [max_len=0] [out=DIR] [overwrite=false]
+
+Prints each task's main score, then the paper's table (one column per task type, Avg. = their mean, Overall = the
+mean over tasks). Writes mteb's result files under OUT/results/ and the summary, OUT/results.json; OUT defaults to
+DUMP_DIR/mteb_eval/<checkpoint name>/. Tasks whose results are already in OUT are not run again (an interrupted run
+resumes), unless overwrite=true. The task data comes from the Hugging Face Hub, or its cache (HF_HOME).
+Needs `pip install mteb==2.26.24`.
+"""
+
+import importlib.util
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from apps.eval.glue import run_dump_dir
+from lingua.args import UserError, at_least, command_line, load_config
+from lingua.checkpoint import resolve_checkpoint
+from lingua.files import atomic_write
+from lingua.metrics import setup_logging
+
+
+@dataclass
+class MtebCommandArgs:
+    ckpt: str = ""  # consolidated.pt, a checkpoint folder, or a run's dump_dir (its newest checkpoint, else export)
+    benchmark: str = "MTEB(eng, v2)"  # an mteb benchmark name
+    tasks: list[str] = field(default_factory=list)  # task names (default: the whole benchmark)
+    batch_size: int = 32  # texts per forward pass
+    device: str = "auto"  # auto: cuda if available, else cpu
+    pooling: str = "auto"  # auto: the model's trained pooler if it has one, else mean | mean: always the mean
+    max_len: int = 0  # tokens per text; 0: the length the model was trained on
+    out: str = ""  # results folder; default DUMP_DIR/mteb_eval/<checkpoint name>/
+    overwrite: bool = False  # run again the tasks whose results are already in out
+
+    def __post_init__(self):
+        at_least(self, 1, "batch_size")
+        at_least(self, 0, "max_len")
+
+
+def output_dir(args: MtebCommandArgs) -> Path:
+    if args.out:
+        return Path(args.out)
+    checkpoint = resolve_checkpoint(args.ckpt)
+    return run_dump_dir(checkpoint) / "mteb_eval" / checkpoint.name.removesuffix(".pt")
+
+
+def run(args: MtebCommandArgs) -> dict:
+    if not args.ckpt:
+        raise UserError("ckpt= is required: a consolidated.pt, a checkpoint folder or a run's dump_dir")
+    if importlib.util.find_spec("mteb") is None:
+        raise UserError("the mteb package is not installed: pip install mteb==2.26.24")
+    from lingua.embed import load_embedder
+    from lingua.eval.mteb import format_table, run_mteb, select_tasks, summarize
+
+    tasks = select_tasks(args.benchmark, args.tasks)  # before the (slow) model loading
+    out = output_dir(args)
+    embedder = load_embedder(args.ckpt, device=args.device, pooling=args.pooling, max_len=args.max_len)
+    scores = run_mteb(embedder, tasks, results_dir=out, batch_size=args.batch_size, overwrite=args.overwrite)
+    results = {"checkpoint": args.ckpt, "model": embedder.name, "args": asdict(args), "tasks": scores,
+               "summary": summarize(scores)}
+    path = out / "results.json"
+    try:
+        atomic_write(path, json.dumps(results, indent=1))
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror}") from None
+    print(format_table(scores, results["summary"], embedder.name))
+    print(f"results: {path}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    with command_line(__doc__):
+        args = load_config(MtebCommandArgs, sys.argv[1:] if argv is None else argv)
+        setup_logging()
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from apps.contrastive import train as contrastive
+from apps.contrastive.data import TripletDataArgs, TripletLoader, encode_texts
+from apps.contrastive.model import info_nce
+from apps.crossbert.train import APP as CROSSBERT
+from lingua.args import UserError, load_config
+from lingua.checkpoint import load_model
+from lingua.embed import load_embedder
+from lingua.tokenizer import TokenizerArgs, build_tokenizer
+from lingua.train import train
+from tests.conftest import WORDS, kill_after_first_checkpoint_then_restart, read_metrics, tiny_argv
+
+
+def test_info_nce_matches_a_hand_computed_value():
+    queries = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    passages = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0]])
+    loss, accuracy = info_nce(queries, passages, torch.tensor([0, 2]), temperature=0.5)
+    by_hand = [-math.log(math.exp(2.0) / (math.exp(2.0) + math.exp(1.2) + 1.0)),
+               -math.log(math.exp(2.0) / (1.0 + math.exp(1.6) + math.exp(2.0)))]
+    assert loss.item() == pytest.approx(sum(by_hand) / 2, rel=1e-6)
+    assert accuracy.item() == 1.0
+
+
+def test_a_hard_negative_enters_the_denominator():
+    query, positive = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.8, 0.6]])
+    hard = F.normalize(torch.tensor([[0.9, 0.5]]), dim=-1)
+    alone, _ = info_nce(query, positive, torch.tensor([0]), 1.0)
+    with_hard, accuracy = info_nce(query, torch.cat([hard, positive]), torch.tensor([1]), 1.0)
+    assert alone.item() == pytest.approx(0.0, abs=1e-7)
+    assert with_hard.item() == pytest.approx(math.log(1 + math.exp(hard[0, 0].item() - 0.8)), rel=1e-6)
+    assert accuracy.item() == 0.0  # the hard negative scores higher than the positive
+
+
+# ------------------------------------------------------------------------------------------------- a tiny setup
+
+
+def write_triplets(path: Path, n: int, seed: int = 0, n_negatives: int = 3) -> Path:
+    """Queries of two words whose positive repeats them; negatives are other words."""
+    rng = torch.Generator().manual_seed(seed)
+    lines = []
+    for _ in range(n):
+        words = [WORDS[i] for i in torch.randint(len(WORDS), (2 + 2 * n_negatives,), generator=rng).tolist()]
+        query, others = words[:2], words[2:]
+        negatives = [f"the {a} and the {b}" for a, b in zip(others[::2], others[1::2])]
+        lines.append(json.dumps({"query": " ".join(query), "positive": f"the {query[0]} and the {query[1]}",
+                                 "negatives": negatives}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A tiny CrossBERT pre-trained for a few steps (its predictor warm-starts the pooler)."""
+    from tests.conftest import write_corpus
+
+    root = tmp_path_factory.mktemp("pretrain")
+    dump = root / "crossbert"
+    args = load_config(CROSSBERT.args_cls, tiny_argv(write_corpus(root / "data"), dump, 6) + ["validation.every=0"])
+    train(CROSSBERT, args)
+    return dump
+
+
+def contrastive_argv(triplets: Path, dump_dir: Path, init_from: Path, steps: int, *extra: str) -> list[str]:
+    return [f"dump_dir={dump_dir}", f"steps={steps}", f"init_from={init_from}", f"data.path={triplets}",
+            "data.n_negatives=3", "data.seq_len=32", "data.batch_size=8", "optim.lr=3e-3", "optim.warmup=2",
+            "optim.weight_decay=0", "logging.freq=1", "validation.every=0", "checkpoint.every=5", *extra]
+
+
+def run_contrastive(argv: list[str]):
+    args = load_config(contrastive.APP.args_cls, argv)
+    return args, train(contrastive.APP, args)
+
+
+def test_frozen_training_moves_only_the_pooler_and_warm_starts_it_from_the_predictor(pretrained, tmp_path):
+    triplets = write_triplets(tmp_path / "train.jsonl", 64)
+    dump = tmp_path / "probe"
+    source, _, _ = load_model(pretrained)
+    tiny_step = ("optim.lr=1e-9", "optim.lr_min=0", "optim.warmup=0")
+    args, _ = run_contrastive(contrastive_argv(triplets, dump, pretrained, 1, *tiny_step))
+    assert args.model.encoder.dim == 32 and args.data.tokenizer.name == "bytes"  # taken from init_from
+    at_start, _, _ = load_model(dump)
+    for name, value in source.predictor.state_dict().items():  # one step at lr 1e-9: still the predictor's values
+        pooled = at_start.pooler.state_dict()["query" if name == "mask_embedding" else name]
+        assert torch.allclose(pooled, value, atol=1e-6), name
+
+    dump_long = tmp_path / "probe_long"
+    run_contrastive(contrastive_argv(triplets, dump_long, pretrained, 10))
+    trained, _, _ = load_model(dump_long)
+    backbone = source.backbone.state_dict()
+    assert all(torch.equal(value, backbone[name]) for name, value in trained.encoder.state_dict().items())
+    assert not torch.allclose(trained.pooler.query, at_start.pooler.query)
+    assert all(not p.requires_grad for p in trained.encoder.parameters())
+
+
+def test_no_gradient_reaches_a_frozen_backbone(pretrained, tmp_path):
+    args = load_config(contrastive.APP.args_cls, contrastive_argv(tmp_path / "x.jsonl", tmp_path / "d", pretrained, 1))
+    contrastive.APP.configure(args)
+    tokenizer = build_tokenizer(args.data.tokenizer)
+    model = contrastive.APP.build_model(args.model, tokenizer)
+    model = model.to_empty(device="cpu")
+    model.init_weights()
+    for p in model.encoder.parameters():
+        p.requires_grad_(True)  # even if a parameter asked for one, the frozen forward gives it none
+    rows = torch.tensor([encode_texts(tokenizer, ["a b", "the a and the b", "c", "d", "e"], 32)] * 2)
+    loss, _ = model(rows)
+    loss.backward()
+    assert all(p.grad is None for p in model.encoder.parameters())
+    assert model.pooler.query.grad is not None
+
+
+def test_contrastive_loss_falls_and_a_killed_run_resumes_exactly(pretrained, tmp_path):
+    triplets = write_triplets(tmp_path / "train.jsonl", 200)
+    straight = tmp_path / "straight"
+    run_contrastive(contrastive_argv(triplets, straight, pretrained, 30, "model.frozen=false"))
+    losses = read_metrics(straight)
+    assert sum(losses[s]["loss"] for s in range(26, 31)) < sum(losses[s]["loss"] for s in range(1, 6))
+
+    resumed = tmp_path / "resumed"
+    argv = contrastive_argv(triplets, resumed, pretrained, 30, "model.frozen=false")
+    kill_after_first_checkpoint_then_restart("apps.contrastive.train", argv, resumed)
+    again = read_metrics(resumed)
+    assert [again[s]["loss"] for s in range(1, 31)] == [losses[s]["loss"] for s in range(1, 31)]
+
+
+def test_the_loader_resumes_on_another_number_of_ranks(tmp_path):
+    path = write_triplets(tmp_path / "t.jsonl", 40)
+    args = TripletDataArgs(path=str(path), n_negatives=3, seq_len=16, batch_size=4,
+                           tokenizer=TokenizerArgs(name="bytes"))
+    tokenizer = build_tokenizer(args.tokenizer)
+    one = TripletLoader(args, tokenizer, 0, 1)
+    batches = [next(one) for _ in range(12)]  # 10 steps of 4 lines per epoch, then the next epoch
+    two = [TripletLoader(args, tokenizer, r, 2, {"epoch": 0, "position": 8}) for r in range(2)]
+    assert torch.equal(torch.cat([next(loader) for loader in two]), torch.cat(batches[2:4]))
+    assert one.state_dict() == {"epoch": 1, "position": 8}
+
+
+def test_bad_triplet_lines_are_counted_and_left_out(tmp_path):
+    path = write_triplets(tmp_path / "t.jsonl", 10)
+    with open(path, "a") as f:
+        f.write('{"query": "q", "positive": "p", "negatives": ["only one"]}\nnot json\n["a list"]\n')
+    args = TripletDataArgs(path=str(path), n_negatives=3, batch_size=2, tokenizer=TokenizerArgs(name="bytes"))
+    loader = TripletLoader(args, build_tokenizer(args.tokenizer), 0, 1)
+    assert loader.malformed_lines == 3 and len(loader.offsets) == 10
+    with pytest.raises(UserError, match="no usable triplet"):
+        TripletLoader(TripletDataArgs(path=str(path), n_negatives=9), build_tokenizer(args.tokenizer), 0, 1)
+
+
+def test_embedder_uses_the_trained_pooler_and_batching_does_not_change_vectors(pretrained, tmp_path):
+    dump = tmp_path / "probe"
+    run_contrastive(contrastive_argv(write_triplets(tmp_path / "t.jsonl", 64), dump, pretrained, 2))
+    texts = ["the cat sat", "a dog", "the big red house by the river", "bird"]
+    for path in (dump, pretrained):
+        embedder = load_embedder(str(path))
+        one_batch, one_by_one = embedder.encode(texts, batch_size=4), embedder.encode(texts, batch_size=1)
+        assert one_batch.shape == (4, 32)
+        assert torch.allclose(one_batch.norm(dim=1), torch.ones(4), atol=1e-5)
+        assert torch.allclose(one_batch, one_by_one, atol=1e-5)
+    pooled, mean = load_embedder(str(dump)).encode(texts), load_embedder(str(dump), pooling="mean").encode(texts)
+    assert not torch.allclose(pooled, mean, atol=1e-3)
+    assert torch.allclose(mean, load_embedder(str(pretrained)).encode(texts), atol=1e-6)  # frozen: the same backbone
+    with pytest.raises(UserError, match="pooling"):
+        load_embedder(str(dump), pooling="max")
