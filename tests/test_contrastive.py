@@ -167,3 +167,29 @@ def test_embedder_uses_the_trained_pooler_and_batching_does_not_change_vectors(p
     assert torch.allclose(mean, load_embedder(str(pretrained)).encode(texts), atol=1e-6)  # frozen: the same backbone
     with pytest.raises(UserError, match="pooling"):
         load_embedder(str(dump), pooling="max")
+
+
+def test_the_embedding_evaluation_command_scores_retrieval_and_sts(pretrained, tmp_path, capsys):
+    from apps.eval import embeddings
+
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    docs = {"d1": "the cat sat on the mat", "d2": "a dog ran to the park", "d3": "the bird sang under the tree"}
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n"
+                                               for k, v in docs.items()))
+    (beir / "queries.jsonl").write_text(json.dumps({"_id": "q1", "text": "cat on mat"}) + "\n")
+    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
+    sts = tmp_path / "sts"
+    sts.mkdir()
+    pairs = [("a cat", "a cat", 5.0), ("a cat", "the dog", 1.0), ("red house", "a red house", 4.0)]
+    (sts / "mine.jsonl").write_text("".join(json.dumps({"sentence1": a, "sentence2": b, "score": s}) + "\n"
+                                            for a, b, s in pairs))
+    out = tmp_path / "results.json"
+    embeddings.main([f"ckpt={pretrained}", f"retrieval={beir}", f"sts={sts}", f"out={out}"])
+    results = json.loads(out.read_text())
+    assert 0 <= results["retrieval"]["beir"]["ndcg@10"] <= 100 and results["retrieval"]["beir"]["n_docs"] == 3
+    assert results["sts"]["mine"]["n_pairs"] == 3
+    assert "nDCG@10" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        embeddings.main([f"ckpt={pretrained}"])
+    assert exit_info.value.code == 2 and "nothing to evaluate" in capsys.readouterr().err

@@ -2,13 +2,25 @@
 
 import json
 import math
+import sys
+import types
 from dataclasses import asdict
 
 import numpy as np
 import pytest
 
 from lingua.args import UserError
-from lingua.eval.triplets import BM25, Triplet, build_triplets, main, read_triplets, top_indices, write_triplets
+from lingua.eval.triplets import (
+    BM25,
+    MSMARCO,
+    Triplet,
+    build_triplets,
+    main,
+    read_triplets,
+    top_indices,
+    triplets_from_rows,
+    write_triplets,
+)
 from test_retrieval import DATA, BagOfWords, write_beir
 
 
@@ -99,7 +111,7 @@ def test_command_line_help_and_errors(beir, tmp_path, capsys):
     assert exit_info.value.code == 2 and "config key 'miner'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main([f"out={tmp_path / 'x.jsonl'}"])
-    assert "missing required config value 'beir'" in capsys.readouterr().err
+    assert "config key 'beir' or hub must be set" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("record, message", [
@@ -136,3 +148,36 @@ def test_scifact_train_triplets():
     triplets = [t for query_triplets in by_query.values() for t in query_triplets]
     assert (len(by_query), len(triplets)) == (809, 919)
     assert all(len(t.negatives) == 7 and t.positive not in t.negatives for t in triplets)
+
+
+def test_hub_rows_become_triplets_and_short_rows_are_skipped(tmp_path, monkeypatch, capsys):
+    rows = [{"query": "q1", "positive": "p1", **{f"negative_{i}": f"n{i}" for i in range(1, 51)}},
+            {"query": "q2", "positive": "p2", "negative_1": "only one"},
+            {"query": "q3", "positive": "p3", "negatives": ["a", "b", "c"]}]
+    triplets, skipped = triplets_from_rows(rows, n_negatives=3)
+    assert [t.negatives for t in triplets] == [["n1", "n2", "n3"], ["a", "b", "c"]] and skipped == 1
+    assert len(triplets_from_rows(rows, n_negatives=3, max_queries=1)[0]) == 1
+
+    asked = {}
+
+    def load_dataset(name, config, split, streaming):
+        asked.update(name=name, config=config, split=split, streaming=streaming)
+        return rows
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    out = tmp_path / "msmarco.jsonl"
+    main(["hub=msmarco", f"out={out}", "n_negatives=3"])
+    assert asked == {"name": MSMARCO[0], "config": "triplet-50", "split": "train", "streaming": True}
+    assert [t.query for t in read_triplets(out)] == ["q1", "q3"]
+    assert "1 rows skipped" in capsys.readouterr().out
+
+
+def test_an_unreachable_hub_is_one_line(tmp_path, monkeypatch, capsys):
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'sentence-transformers/msmarco' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["hub=msmarco", f"out={tmp_path / 'x.jsonl'}"])
+    assert exit_info.value.code == 2 and "cannot load" in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists()

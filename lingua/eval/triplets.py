@@ -1,6 +1,12 @@
-"""Contrastive training triplets from a BEIR folder, with hard negatives mined by BM25 or by a sentence embedder:
+"""Contrastive training triplets from a BEIR folder, with hard negatives mined by BM25 or by a sentence embedder, or
+from MS MARCO on the HuggingFace hub (the paper's contrastive data; needs `pip install datasets` and the network):
 
     python -m lingua.eval.triplets beir=FOLDER out=FILE.jsonl [split=train] [n_negatives=7] [miner=bm25] [skip_top=0]
+    python -m lingua.eval.triplets hub=msmarco out=FILE.jsonl [n_negatives=7] [max_queries=0]
+
+`hub=msmarco` streams sentence-transformers' MS MARCO with hard negatives mined by msmarco-distilbert-base-tas-b
+(config triplet-50: a query, its positive, 50 negatives, one row per query), keeping the first n_negatives; any
+other `hub=` dataset with the columns query, positive and negative_1.. (or negatives, a list) works too.
 
 Writes one JSON object per line, one line per (query, positive) pair of the split's qrels (a positive is a judged
 document with score > 0), and prints a one-line summary:
@@ -196,24 +202,77 @@ def _parse_triplet(path: str | Path, line_no: int, line: str) -> Triplet:
 # ------------------------------------------------------------------------------------------------------ command
 
 
+MSMARCO = ("sentence-transformers/msmarco-msmarco-distilbert-base-tas-b", "triplet-50")
+
+
+def hub_rows(dataset: str, config: str):
+    """The rows of a hub dataset's train split, streamed."""
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("hub= needs the HuggingFace `datasets` package (pip install datasets)") from None
+    try:
+        return datasets.load_dataset(dataset, config or None, split="train", streaming=True)
+    except Exception as e:  # network, hub or cache errors of any kind
+        raise UserError(f"cannot load {dataset} from the hub: {str(e).splitlines()[0] if str(e) else e!r}") from None
+
+
+def triplets_from_rows(rows, n_negatives: int, max_queries: int = 0) -> tuple[list[Triplet], int]:
+    """Triplets from rows with query, positive and negative_1, negative_2, ... (or a `negatives` list); rows with
+    fewer than n_negatives negatives or empty texts are skipped and counted. max_queries 0: every row."""
+    triplets, skipped = [], 0
+    for row in rows:
+        negatives = row.get("negatives") or [row[f"negative_{i}"] for i in range(1, n_negatives + 1)
+                                             if row.get(f"negative_{i}")]
+        texts = [row.get("query"), row.get("positive"), *negatives[:n_negatives]]
+        if len(negatives) < n_negatives or not all(isinstance(t, str) and t.strip() for t in texts):
+            skipped += 1
+            continue
+        triplets.append(Triplet(texts[0], texts[1], texts[2:]))
+        if len(triplets) % 100_000 == 0:
+            logger.info(f"{len(triplets):,} triplets read")
+        if len(triplets) == max_queries:
+            break
+    return triplets, skipped
+
+
 @dataclass
 class TripletArgs:
-    beir: str  # BEIR folder: corpus.jsonl, queries.jsonl, qrels/<split>.tsv
     out: str  # the JSONL file to write
+    beir: str = ""  # BEIR folder: corpus.jsonl, queries.jsonl, qrels/<split>.tsv
+    hub: str = ""  # msmarco, or a hub dataset with query, positive, negative_1.. columns (instead of beir)
+    hub_config: str = ""  # the hub dataset's configuration (msmarco: triplet-50)
+    max_queries: int = 0  # hub: rows kept (0: all)
     split: str = "train"  # the qrels split whose (query, positive) pairs become triplets
     n_negatives: int = 7  # hard negatives per triplet
     miner: str = "bm25"  # the ranking negatives come from (a model's: build_triplets(miner=embedder) in Python)
     skip_top: int = 0  # best-ranked non-positive documents skipped (likely unjudged positives)
 
     def __post_init__(self):
-        require(bool(self.beir), "beir", "must name a BEIR folder")
+        require(bool(self.beir) != bool(self.hub), "beir", "or hub must be set, not both: a BEIR folder, or hub=msmarco")
         require(bool(self.out), "out", "must name the JSONL file to write")
         at_least(self, 1, "n_negatives")
-        at_least(self, 0, "skip_top")
+        at_least(self, 0, "skip_top", "max_queries")
         require(self.miner == "bm25", "miner", f"must be 'bm25' on the command line, got {self.miner!r}")
 
 
 def run(args: TripletArgs) -> list[Triplet]:
+    return run_hub(args) if args.hub else run_beir(args)
+
+
+def run_hub(args: TripletArgs) -> list[Triplet]:
+    dataset, config = MSMARCO if args.hub == "msmarco" else (args.hub, args.hub_config)
+    triplets, skipped = triplets_from_rows(hub_rows(dataset, args.hub_config or config), args.n_negatives,
+                                           args.max_queries)
+    if not triplets:
+        raise UserError(f"{dataset} gave no triplet with {args.n_negatives} negatives ({skipped} rows skipped)")
+    write_triplets(args.out, triplets)
+    print(f"{dataset}: {len(triplets)} triplets with {args.n_negatives} negatives each ({skipped} rows skipped), "
+          f"written to {args.out}")
+    return triplets
+
+
+def run_beir(args: TripletArgs) -> list[Triplet]:
     by_query = build_triplets(args.beir, args.split, args.n_negatives, args.miner, args.skip_top)
     triplets = [triplet for query_triplets in by_query.values() for triplet in query_triplets]
     write_triplets(args.out, triplets)
