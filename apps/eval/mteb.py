@@ -57,6 +57,10 @@ def run(args: MtebCommandArgs) -> dict:
 
     tasks = select_tasks(args.benchmark, args.tasks)  # before the (slow) model loading
     out = output_dir(args)
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # now, not after hours of evaluation
+    except OSError as e:
+        raise UserError(f"cannot create {out}: {e.strerror}") from None
     embedder = load_embedder(args.ckpt, device=args.device, pooling=args.pooling, max_len=args.max_len)
     scores = run_mteb(embedder, tasks, results_dir=out, batch_size=args.batch_size, overwrite=args.overwrite)
     results = {"checkpoint": args.ckpt, "model": embedder.name, "args": asdict(args), "tasks": scores,
