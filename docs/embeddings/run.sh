@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The embedding protocol on the debug models, as in the README's "Sentence embeddings" table (about 20 minutes on
+# 2 CPU cores): pre-train the three debug models (skipped when dump/<app>_debug exists), build SciFact training
+# triplets with BM25 negatives, probe each backbone contrastively (frozen; CrossBERT's pooler warm-started from its
+# predictor), then score mean pooling and the trained pooler on SciFact test retrieval and on STS.
+#   bash docs/embeddings/run.sh [DATA]      DATA: the folder holding retrieval/scifact, retrieval/sts, retrieval/sick
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+DATA=${1:-../shared/data}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+for app in bert crossbert electra; do
+  [ -d "dump/${app}_debug/checkpoints" ] || python -m apps.$app.train config=apps/$app/configs/debug.yaml
+done
+python -m lingua.eval.triplets beir="$DATA/retrieval/scifact" out=data/triplets/scifact_train.jsonl n_negatives=3
+evaluate() {
+  python -m apps.eval.embeddings ckpt="$1" retrieval="$DATA/retrieval/scifact" sts="$DATA/retrieval" \
+    sts_sets=STSBenchmark/test,SICK/test out="dump/embedding_study/$2.json"
+}
+for app in bert crossbert electra; do
+  evaluate "dump/${app}_debug" "${app}_mean"
+  python -m apps.contrastive.train config=apps/contrastive/configs/debug.yaml init_from="dump/${app}_debug" \
+    dump_dir="dump/contrastive_${app}" name="contrastive_${app}"
+  evaluate "dump/contrastive_${app}" "${app}_pooler"
+done
+# Appendix D's ablation: CrossBERT's pooler trained from scratch instead of warm-started from its predictor
+python -m apps.contrastive.train config=apps/contrastive/configs/debug.yaml init_from=dump/crossbert_debug \
+  dump_dir=dump/contrastive_crossbert_cold name=contrastive_crossbert_cold model.pooler.warm_start=false
+evaluate dump/contrastive_crossbert_cold crossbert_pooler_cold
