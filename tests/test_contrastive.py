@@ -195,14 +195,15 @@ def test_the_embedding_evaluation_command_scores_retrieval_and_sts(pretrained, t
     assert exit_info.value.code == 2 and "nothing to evaluate" in capsys.readouterr().err
 
 
-def test_two_ranks_gather_negatives_like_one_rank_with_the_whole_batch(pretrained, tmp_path):
+@pytest.mark.parametrize("frozen", ["true", "false"])
+def test_two_ranks_gather_negatives_like_one_rank_with_the_whole_batch(pretrained, tmp_path, frozen):
     from tests.test_distributed import torchrun
 
     triplets = write_triplets(tmp_path / "train.jsonl", 64)
     one, two = tmp_path / "one", tmp_path / "two"
-    run_contrastive(contrastive_argv(triplets, one, pretrained, 3, "data.batch_size=8", "model.frozen=false"))
+    run_contrastive(contrastive_argv(triplets, one, pretrained, 3, "data.batch_size=8", f"model.frozen={frozen}"))
     torchrun("-m", "apps.contrastive.train",
-             *contrastive_argv(triplets, two, pretrained, 3, "data.batch_size=4", "model.frozen=false"))
+             *contrastive_argv(triplets, two, pretrained, 3, "data.batch_size=4", f"model.frozen={frozen}"))
     single, double = read_metrics(one), read_metrics(two)
     for step in (1, 2, 3):  # each query sees the same 8 x 4 passages, the gradient is the same mean
         assert double[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-4)
