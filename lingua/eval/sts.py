@@ -28,7 +28,7 @@ import torch
 from scipy import stats
 
 from lingua.args import UserError
-from lingua.eval.retrieval import Embedder, encode_texts, numbered_lines
+from lingua.eval.retrieval import Embedder, encode_texts, json_object, numbered_lines
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +94,7 @@ def read_sts_jsonl(path: str | Path) -> list[Pair]:
 
 
 def _jsonl_pair(path: str | Path, line_no: int, line: str) -> Pair:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-    if not isinstance(record, dict):
-        raise UserError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+    record = json_object(path, line_no, line)
     a, b, score = record.get("sentence1"), record.get("sentence2"), record.get("score")
     if not isinstance(a, str) or not isinstance(b, str):
         raise UserError(f"{path}:{line_no}: 'sentence1' and 'sentence2' must be strings")
