@@ -433,7 +433,8 @@ def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, args) -> s
     return None
 
 
-ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "norm_eps", "rope_theta")
+ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "norm_eps", "rope_theta",
+                     "scale_embeddings")
 
 
 def check_same_model(path: Path, saved: dict, shapes: dict, model, app: App, args) -> None:

@@ -189,13 +189,17 @@ def test_a_run_whose_checkpoints_cannot_be_found_is_not_restarted(corpus, tmp_pa
     assert (dump / "metrics.jsonl").read_bytes() == metrics and (dump / "config.yaml").read_bytes() == config
 
 
-def test_architecture_changes_that_keep_the_shapes_are_refused(corpus, tmp_path, capsys):
+@pytest.mark.parametrize("change", ["n_heads=4", "scale_embeddings=true"])
+def test_architecture_changes_that_keep_the_shapes_are_refused(corpus, tmp_path, capsys, change):
     dump = tmp_path / "run"
-    run_main(tiny_argv(corpus, dump, steps=10), capsys)
+    run_main(tiny_argv(corpus, dump, steps=10) + ["model.encoder.scale_embeddings=false"], capsys)
     (dump / "consolidated.pt").unlink()
-    status, err = run_main(tiny_argv(corpus, dump, steps=20) + ["model.encoder.n_heads=4"], capsys)
+    status, err = run_main(tiny_argv(corpus, dump, steps=20) + ["model.encoder.scale_embeddings=false",
+                                                                 f"model.encoder.{change}"], capsys)
     assert status == 2
-    assert_one_line(err, "holds a model of another shape (model.encoder.n_heads 2 -> 4)")
+    key, new = change.split("=")
+    old = {"n_heads": "2", "scale_embeddings": "False"}[key]
+    assert_one_line(err, f"holds a model of another shape (model.encoder.{key} {old} -> {new.capitalize()})")
 
 
 def test_odd_files_in_the_run_folder(corpus, tmp_path, capsys):
