@@ -1,0 +1,177 @@
+"""Export to a HuggingFace folder (lingua/export.py): transformers' AutoModel gives our states and embeddings,
+sentence-transformers our embeddings, the exported tokenizer our ids; the folder's code needs no Lingua."""
+
+import ast
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from apps.bert.train import APP as BERT
+from apps.crossbert.train import APP as CROSSBERT
+from lingua.args import load_config, to_dict
+from lingua.checkpoint import build_from_params, export_consolidated, load_model
+from lingua.embed import load_embedder
+from lingua.eval.features import encode_example, pad_batch
+from lingua.export import ExportArgs, export, main
+from lingua.tokenizer import R50K_FILENAME, default_tokenizer_dir
+from lingua.train import train
+from tests.conftest import tiny_argv, write_corpus
+from tests.test_contrastive import contrastive_argv, run_contrastive, write_triplets
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = ["the cat sat on the mat", "a", "héllo wörld, 日本語 🤗", "<s> </s> <pad> <mask> <|endoftext|> as text",
+         "  spaces,\nnew lines\r\n\tand tabs  ", "the big red house by the river " * 4, ""]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """A tiny CrossBERT pre-training run (no pooler: mean pooling) and a contrastive run started from it (its
+    attention pooler warm-started from the predictor), fine-tuned so that both the encoder and the pooler moved."""
+    root = tmp_path_factory.mktemp("runs")
+    pretrained = root / "crossbert"
+    train(CROSSBERT, load_config(CROSSBERT.args_cls,
+                                 tiny_argv(write_corpus(root / "data"), pretrained, 4) + ["validation.every=0"]))
+    contrastive = root / "contrastive"
+    run_contrastive(contrastive_argv(write_triplets(root / "t.jsonl", 32), contrastive, pretrained, 3,
+                                     "model.frozen=false"))
+    return {"mean": pretrained, "attention": contrastive}
+
+
+def export_to(out: Path, ckpt: Path, **options) -> Path:
+    return export(ExportArgs(ckpt=str(ckpt), out=str(out), **options))
+
+
+def our_batch(embedder, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token rows and pad mask that Lingua's feature extraction feeds the encoder."""
+    seqs = [encode_example(embedder.tokenizer, (text,), embedder.max_len) for text in texts]
+    return pad_batch(seqs, embedder.tokenizer.pad_id, torch.device("cpu"))
+
+
+def assert_transformers_matches(folder: Path, embedder) -> None:
+    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    model, loading = transformers.AutoModel.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+    assert type(config).__name__ == "LinguaConfig" and not any(loading.values()), loading
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    batch = tokenizer(TEXTS, padding=True, truncation=True, return_tensors="pt")
+    tokens, pad_mask = our_batch(embedder, TEXTS)
+    assert torch.equal(batch["input_ids"], tokens) and torch.equal(batch["attention_mask"].bool(), pad_mask)
+    with torch.no_grad():
+        output = model.eval()(**batch)
+        hidden = embedder.model.encode(tokens, pad_mask)
+    torch.testing.assert_close(output.last_hidden_state, hidden, atol=1e-5, rtol=0)
+    torch.testing.assert_close(output.pooler_output, embedder.encode(TEXTS), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind, options", [("attention", {}), ("mean", {}), ("attention", {"pooling": "mean"}),
+                                           ("attention", {"max_len": 12})],
+                         ids=["attention-pooler", "mean", "attention-run-pooled-by-mean", "max_len-12"])
+def test_transformers_gives_our_states_and_embeddings(runs, tmp_path, kind, options):
+    folder = export_to(tmp_path / "hf", runs[kind], **options)
+    embedder = load_embedder(str(runs[kind]), "cpu", **options)
+    config = json.loads((folder / "config.json").read_text())
+    pooled_by_attention = kind == "attention" and options.get("pooling") != "mean"
+    assert config["pooling"] == ("attention" if pooled_by_attention else "mean")
+    assert_transformers_matches(folder, embedder)
+
+
+def test_sentence_transformers_gives_our_embeddings(runs, tmp_path):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    for kind in ("attention", "mean"):
+        folder = export_to(tmp_path / kind, runs[kind])
+        embedder = load_embedder(str(runs[kind]), "cpu")
+        model = sentence_transformers.SentenceTransformer(str(folder), trust_remote_code=True, device="cpu")
+        assert model.max_seq_length == embedder.max_len
+        for batch_size in (32, 2):  # another padding per batch
+            vectors = model.encode(TEXTS, batch_size=batch_size, convert_to_tensor=True)
+            torch.testing.assert_close(vectors, embedder.encode(TEXTS), atol=1e-5, rtol=0)
+
+
+def test_gpt2_tokenizer_and_model_match_ours(tmp_path):
+    """A BERT with the GPT-2 vocabulary, every weight moved off its init (so that a misplaced norm or projection
+    shows), scaled embeddings and a head_dim of its own."""
+    if not (default_tokenizer_dir() / R50K_FILENAME).exists():
+        pytest.skip(f"no {R50K_FILENAME} in {default_tokenizer_dir()} (python setup/fetch_tokenizer.py)")
+    argv = [f"dump_dir={tmp_path / 'run'}", "data.seq_len=48", "model.encoder.dim=32", "model.encoder.n_layers=2",
+            "model.encoder.n_heads=2", "model.encoder.head_dim=8", "model.encoder.max_seqlen=64",
+            "model.encoder.scale_embeddings=true"]
+    params = {"app": BERT.name, "config": to_dict(load_config(BERT.args_cls, argv))}
+    model, _, _ = build_from_params(params)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    checkpoint = export_consolidated(model, params, tmp_path / "run" / "consolidated.pt")
+    folder = export_to(tmp_path / "hf", checkpoint)
+    embedder = load_embedder(str(checkpoint), "cpu")
+    assert_transformers_matches(folder, embedder)
+
+    tokenizer, ours = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True), embedder.tokenizer
+    rng = random.Random(0)
+    alphabet = [chr(c) for c in [*range(32, 127), *range(160, 700), *range(0x3040, 0x30ff), 0x1F917, 10, 13, 9]]
+    fuzz = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(300)]
+    for text in TEXTS + fuzz + [(REPO / "README.md").read_text()[:5000]]:
+        assert tokenizer(text)["input_ids"] == [ours.bos_id, *ours.encode(text), ours.eos_id], text
+    long = "word " * 100
+    assert tokenizer(long, truncation=True)["input_ids"] == encode_example(ours, (long,), embedder.max_len)
+    assert tokenizer("a b", "c")["input_ids"] == encode_example(ours, ("a b", "c"), embedder.max_len)
+    assert tokenizer.decode(tokenizer(TEXTS[2])["input_ids"], skip_special_tokens=True) == TEXTS[2]
+
+
+def test_the_exported_code_needs_only_torch_and_transformers(runs, tmp_path):
+    folder = export_to(tmp_path / "hf", runs["attention"])
+    for path in folder.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+        assert imported <= {"math", "torch", "transformers"}, (path.name, imported)
+
+
+def test_model_card_describes_the_run(runs, tmp_path):
+    run = runs["attention"]
+    results = {"layers": ["last"], "skipped": {},
+               "tasks": {"sst2": {"n_train": 10, "n_dev": 5, "layers": {"last": {"linear": {
+                   "score": 61.5, "metrics": {"acc": 61.5}, "best": {"lambda": 1.0, "train_size": 10}}}}}},
+               "summary": {"last": {"linear": {"sst2": 61.5, "avg": 61.5}}}}
+    (run / "glue_eval" / "consolidated").mkdir(parents=True)
+    (run / "glue_eval" / "consolidated" / "results.json").write_text(json.dumps(results))
+    try:
+        card = (export_to(tmp_path / "hf", run) / "README.md").read_text()
+    finally:
+        shutil.rmtree(run / "glue_eval")
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    model, _, _ = load_model(run)
+    assert "apps.contrastive.train" in card and f"{last['data_tokens']:,} data tokens" in card
+    assert f"{sum(p.numel() for p in model.encoder.parameters()):,} encoder" in card
+    assert f"started from | `{runs['mean']}`" in card and "attention pooler" in card
+    assert "61.5" in card and "SentenceTransformer(" in card
+
+
+def test_help_and_one_line_errors(runs, tmp_path, capsys):
+    done = subprocess.run([sys.executable, "-m", "lingua.export", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0 and "python -m lingua.export" in done.stdout and "pooling" in done.stdout, done.stderr
+    (tmp_path / "notes.pt").write_text("not a checkpoint")
+    (tmp_path / "file").write_text("")
+    out = f"out={tmp_path / 'hf'}"
+    for argv, message in [([f"ckpt={tmp_path / 'none'}", out], "checkpoint not found"),
+                          ([f"ckpt={tmp_path / 'notes.pt'}", out], "is not a checkpoint"),
+                          ([out], "ckpt= and out= are required"),
+                          ([f"ckpt={runs['mean']}", out, "pooling=max"], "pooling must be one of auto, mean"),
+                          ([f"ckpt={runs['mean']}", out, "max_len=2"], "max_len must be 0"),
+                          ([f"ckpt={runs['mean']}", f"out={tmp_path / 'file'}"], "is a file, not a folder")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.startswith("error: ") and message in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "hf").exists()
