@@ -4,7 +4,8 @@ patched in for this script only, on the diagnostic's task (apps/diagnose.py). Fr
 VARIANT: base | mask_std=S | qk_norm | key_bias=S | layerwise | tied | bert_hidden_masks | pred_lr=X | out_std=S |
          pred_rope_theta=T | embedding_keys | centred_context
 Prints the held-out accuracy every 50 steps of the last app in apps= (default: CrossBERT, 20% masked, no CMS).
-They run with the default, unscaled embeddings; encoder.scale_embeddings=true adds the sqrt(dim) scale.
+The table's rows ran with unscaled embeddings: add encoder.scale_embeddings=false to reproduce them (the
+scale is on by default since).
 """
 
 import dataclasses

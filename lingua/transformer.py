@@ -38,7 +38,7 @@ class TransformerArgs:
     init_std: float = 0.02  # std of the truncated-normal init of every matrix and embedding
     attn_backend: str = "sdpa"  # sdpa (CPU and GPU) | flex (GPU, compiled flex_attention) | xformers (if installed)
     head_chunk: int = 4096  # predicted tokens the output head and its loss take at a time; 0: all logits at once
-    scale_embeddings: bool = False  # true: token embeddings enter the residual stream times sqrt(dim) (see docs/)
+    scale_embeddings: bool = True  # token embeddings enter the residual stream times sqrt(dim); false: unscaled
 
     def __post_init__(self):
         at_least(self, 1, "dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "max_seqlen")
@@ -301,7 +301,8 @@ class Encoder(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The token embeddings as they enter the residual stream, times sqrt(dim) with scale_embeddings (unscaled,
-        the blocks' outputs drown the token identities at init: docs/crossbert_slow_start.md)."""
+        the blocks' outputs drown the token identities at init, which starves CrossBERT's predictor:
+        docs/crossbert_slow_start.md)."""
         h = self.tok_embeddings(tokens)
         return h * math.sqrt(self.args.dim) if self.args.scale_embeddings else h
 

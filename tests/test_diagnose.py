@@ -30,9 +30,9 @@ def test_a_short_run_prints_and_writes_the_curves_of_both_apps(tmp_path, capsys)
 
 def test_crossbert_learns_the_copy_task_within_berts_budget():
     """At the diagnostic's default size, within the 150 steps in which BERT learns to read the neighbour (chance:
-    0.004): CrossBERT as the paper trains it (50% masked, CMS), and on BERT's task (20% masked, one view) with the
-    embeddings scaled by sqrt(dim), without which it stays at chance there (docs/crossbert_slow_start.md)."""
+    0.004): CrossBERT as the paper trains it (50% masked, CMS), and on BERT's task (20% masked, one view), where it
+    stays at chance without the default sqrt(dim) embedding scale (docs/crossbert_slow_start.md)."""
     args = load_config(diagnose.DiagnoseArgs, ["steps=150", "every=150", "eval_sequences=128"])
-    labels = ("bert", "crossbert", "crossbert+cms=false+mask_ratio=0.2+encoder.scale_embeddings=true")
+    labels = ("bert", "crossbert", "crossbert+cms=false+mask_ratio=0.2")
     accuracy = {label: diagnose.learning_curve(label, args)[-1] for label in labels}
     assert min(accuracy.values()) > 0.3, accuracy
