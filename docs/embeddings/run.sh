@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The embedding protocol on the debug models, as in the README's "Sentence embeddings" table (about 20 minutes on
+# The embedding protocol on the debug models, as in the README's "Sentence embeddings" table (about 30 minutes on
 # 2 CPU cores): pre-train the three debug models (skipped when dump/<app>_debug exists), build SciFact training
-# triplets with BM25 negatives, probe each backbone contrastively (frozen; CrossBERT's pooler warm-started from its
-# predictor), then score mean pooling and the trained pooler on SciFact test retrieval and on STS.
+# triplets with BM25 negatives, train each backbone's pooler contrastively (frozen backbone; CrossBERT's pooler
+# warm-started from its predictor) and, separately, the whole model (full fine-tuning), then score mean pooling and
+# the trained models on SciFact test retrieval and on STS.
 #   bash docs/embeddings/run.sh [DATA]      DATA: the folder holding retrieval/scifact, retrieval/sts, retrieval/sick
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,6 +22,12 @@ for app in bert crossbert electra; do
   python -m apps.contrastive.train config=apps/contrastive/configs/debug.yaml init_from="dump/${app}_debug" \
     dump_dir="dump/contrastive_${app}" name="contrastive_${app}"
   evaluate "dump/contrastive_${app}" "${app}_pooler"
+done
+# full contrastive fine-tuning (the paper's other protocol): the backbone trains too, its pooler as above
+for app in bert crossbert electra; do
+  python -m apps.contrastive.train config=apps/contrastive/configs/debug.yaml init_from="dump/${app}_debug" \
+    dump_dir="dump/contrastive_full_${app}" name="contrastive_full_${app}" model.frozen=false
+  evaluate "dump/contrastive_full_${app}" "${app}_full"
 done
 # Appendix D's ablation: CrossBERT's pooler trained from scratch instead of warm-started from its predictor
 python -m apps.contrastive.train config=apps/contrastive/configs/debug.yaml init_from=dump/crossbert_debug \
