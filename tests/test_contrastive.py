@@ -207,3 +207,12 @@ def test_two_ranks_gather_negatives_like_one_rank_with_the_whole_batch(pretraine
     single, double = read_metrics(one), read_metrics(two)
     for step in (1, 2, 3):  # each query sees the same 8 x 4 passages, the gradient is the same mean
         assert double[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-4)
+
+
+def test_the_shipped_configs_load_and_msmarco_is_the_papers_setting():
+    configs = Path(__file__).resolve().parents[1] / "apps" / "contrastive" / "configs"
+    debug = load_config(contrastive.APP.args_cls, [f"config={configs / 'debug.yaml'}"])
+    assert debug.model.frozen and debug.model.pooler.kind == "attention"
+    paper = load_config(contrastive.APP.args_cls, [f"config={configs / 'msmarco.yaml'}"])
+    assert paper.data.batch_size * 8 == 512 and (paper.optim.lr, paper.optim.lr_min) == (5e-5, 5e-7)
+    assert paper.steps == 502_939 // 512  # one epoch of MS MARCO's queries
