@@ -17,7 +17,6 @@ The preemption signal (`distributed.stop_signal`, SIGUSR2: a cluster taking the 
 exits 0 on every rank, so torchrun and srun see a clean end; under SLURM the job is requeued and resumes by itself.
 """
 
-import gc
 import logging
 import math
 import sys
@@ -264,9 +263,6 @@ def train(app: App, args) -> dict[str, Any]:
                 setup_logging(dump_dir / "train.log", launch.rank)
                 return _train(app, args, dump_dir, device, launch)
         finally:
-            # the model's reference cycles (FSDP hooks) may hold gloo work whose release needs the interpreter:
-            # collected now, not during interpreter shutdown, where freeing them aborts the process
-            gc.collect()
             destroy_process_group()
 
 
