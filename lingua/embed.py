@@ -9,7 +9,6 @@ CrossBERT, ELECTRA) with the mean of its final states over the real tokens. Text
 evaluation, `<s> text </s>`, cut to `max_len` tokens (default: the run's training length).
 """
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +18,6 @@ from lingua.checkpoint import load_model, resolve_checkpoint
 from lingua.distributed import resolve_device
 from lingua.eval.features import extract_features
 from lingua.pooler import mean_pool_normalised
-
-logger = logging.getLogger(__name__)
 
 POOLINGS = ("auto", "mean")
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lingua.args import at_least, require
+from lingua.eval.features import mean_pool
 from lingua.transformer import AttnMask, CrossAttentionBlock, RMSNorm, TransformerArgs, build_attn_bias, head_dim_of
 
 POOLERS = ("attention", "mean")
@@ -59,11 +60,8 @@ def _identity_rope(batch: int, seq_len: int, head_dim: int, device) -> tuple[tor
     return torch.ones(shape, device=device), torch.zeros(shape, device=device)
 
 
-def mean_pool_normalised(hidden: torch.Tensor, pad_mask: torch.Tensor | None = None) -> torch.Tensor:
-    if pad_mask is None:
-        pad_mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
-    mask = pad_mask.unsqueeze(-1).float()
-    return F.normalize((hidden.float() * mask).sum(1) / mask.sum(1).clamp_min(1), dim=-1)
+def mean_pool_normalised(hidden: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+    return F.normalize(mean_pool(hidden, pad_mask), dim=-1)
 
 
 def pooler_transformer(args: PoolerArgs, encoder: TransformerArgs) -> TransformerArgs:
