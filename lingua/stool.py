@@ -29,6 +29,7 @@ import dataclasses
 import itertools
 import json
 import pickle
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass
@@ -378,8 +379,8 @@ def _launch(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
         where = (f"slurm: {args.nodes} node(s) x {args.gpus_per_node} GPU(s), {args.time} min"
                  if args.cluster == "slurm" else "local: 1 process")
         for run in runs:
-            settings = " ".join([f"config={run.base_config}"] * bool(run.base_config) + [
-                f"{key}={_yaml_value(value)}" for key, value in run.overrides.items()])
+            settings = shlex.join([f"config={run.base_config}"] * bool(run.base_config) + [
+                f"{key}={_yaml_value(value)}" for key, value in run.overrides.items()])  # pasteable into a shell
             print(f"{run.name} ({where}): python -m {run.script} {settings}")
         print(f"dry run: {len(runs)} run(s), nothing submitted")
         return

@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from apps.bert.train import BertTrainArgs
 from lingua import stool
-from lingua.args import UserError
+from lingua.args import UserError, load_config
 from tests.conftest import tiny_argv
 
 
@@ -74,6 +76,16 @@ def test_dry_run_prints_and_writes_nothing(tmp_path, corpus, capsys):
     assert "optim.lr=0.003" in out
     assert "2 run(s), nothing submitted" in out
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_dry_run_prints_commands_a_shell_can_run(tmp_path, corpus, capsys):
+    path = write_sweep(tmp_path, corpus, grid={"optim.lr": [1e-3]},
+                       runs=[{"data.sources": {"a b": 1.0, "c": 3.0}}])  # a mapping, with a space
+    stool.main(["sweep", f"sweep={path}", "--dry-run"])
+    words = shlex.split(capsys.readouterr().out.splitlines()[0].partition("): ")[2])
+    assert words[:3] == ["python", "-m", "apps.bert.train"]
+    args = load_config(BertTrainArgs, words[3:])
+    assert args.data.sources == {"a b": 1.0, "c": 3.0}
 
 
 def test_snapshot_holds_everything_the_run_imports(tmp_path):
