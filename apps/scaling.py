@@ -3,6 +3,7 @@
     python -m apps.scaling plan app=crossbert compute=1e19 gpus=16 [micro_batch=128] [out=CONFIG.yaml]
     python -m apps.scaling fit runs=SWEEP_DIR[,SWEEP_DIR...] [keep=3]
     python -m apps.scaling plot kind=curves|loss|probes runs=SWEEP_DIR[,...] out=PLOT.png
+    python -m apps.scaling table runs=SWEEP_DIR[,...] [probe=linear|knn]
 
 plan: the shape from the app's family (the configs `shapes`, by default apps/<app>/configs/scaling_*.yaml, the
 paper's Appendix J) whose F_N is nearest sqrt(C / ratio); D = C / F_N token-views; BSZ and LR from the app's power
@@ -10,7 +11,8 @@ laws (section 5.1); steps, per-GPU batch and gradient accumulation for `gpus`. f
 rates and batch sizes, the best `keep` runs per size by final validation loss, and the LR and BSZ power laws of C
 fitted by log-log least squares (Appendix H). plot: validation-loss curves against compute (curves), final
 validation loss against compute with its fitted law (loss), frozen GLUE probe averages against compute per app
-(probes, the paper's Figure 1; from each run's glue_eval results).
+(probes, the paper's Figure 1; from each run's glue_eval results). table: a Markdown table of the runs by app and
+compute, with their final validation loss and frozen GLUE scores per task.
 """
 
 import copy
@@ -75,6 +77,12 @@ class PlotArgs:
     runs: str = ""  # comma-separated sweep folders (or dump_dirs)
     out: str = "plot.png"
     probe: str = "linear"  # probes: linear | knn
+
+
+@dataclass
+class TableArgs:
+    runs: str = ""  # comma-separated sweep folders (or dump_dirs)
+    probe: str = "linear"  # linear | knn
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -196,7 +204,7 @@ def read_run(dump_dir: Path) -> dict[str, Any]:
         "size": f"{encoder['dim']}x{encoder['n_layers']}", "compute": last["compute_flops"],
         "val_curve": [(r["step"] * flops_per_step, r["val/loss"]) for r in val],
         "final_val_loss": val[-1]["val/loss"] if val else None,
-        "probes": _probe_scores(dump_dir),
+        "probes": _probe_results(dump_dir),
     }
 
 
@@ -211,13 +219,12 @@ def _app_of(dump_dir: Path) -> str:
     return "?"
 
 
-def _probe_scores(dump_dir: Path) -> dict[str, float]:
-    """{probe: GLUE average} of the newest frozen evaluation of the run's final weights."""
+def _probe_results(dump_dir: Path) -> dict[str, dict[str, float]]:
+    """{probe: {task: score, "avg": GLUE average}} of the newest frozen evaluation of the run's final weights."""
     results = sorted((dump_dir / "glue_eval").glob("*/results.json"), key=lambda p: p.stat().st_mtime)
     if not results:
         return {}
-    summary = json.loads(results[-1].read_text())["summary"].get("last", {})
-    return {probe: scores["avg"] for probe, scores in summary.items()}
+    return json.loads(results[-1].read_text())["summary"].get("last", {})
 
 
 def fit_command(argv: list[str]) -> None:
@@ -257,7 +264,7 @@ def plot_command(argv: list[str]) -> None:
         _scatter_with_law(ax, runs, lambda run: run["final_val_loss"])
         ax.set_ylabel("final validation loss")
     else:
-        _scatter_with_law(ax, runs, lambda run: run["probes"].get(args.probe), fit=False)
+        _scatter_with_law(ax, runs, lambda run: run["probes"].get(args.probe, {}).get("avg"), fit=False)
         ax.set_ylabel(f"frozen GLUE average, {args.probe} probe (%)")
     ax.set_xscale("log")
     ax.set_xlabel("compute C (FLOPs, paper counting)")
@@ -282,7 +289,30 @@ def _scatter_with_law(ax, runs, value, fit: bool = True) -> None:
                     label=f"{app}: {law.coefficient:.3g} C^{law.exponent:.3f}")
 
 
-COMMANDS = {"plan": plan_command, "fit": fit_command, "plot": plot_command}
+# ------------------------------------------------------------------------------------------------ table
+
+
+def table_command(argv: list[str]) -> None:
+    args = load_config(TableArgs, argv)
+    print(format_runs_table(sorted(map(read_run, run_dirs(args.runs)), key=lambda r: (r["app"], r["compute"])),
+                            args.probe))
+
+
+def format_runs_table(runs: list[dict[str, Any]], probe: str) -> str:
+    """One Markdown row per run: app, shape, compute, final validation loss, then the probe's GLUE scores."""
+    tasks = list(dict.fromkeys(task for run in runs for task in run["probes"].get(probe, {}) if task != "avg"))
+    lines = ["| run | app | shape | C (FLOPs) | val loss | " + " | ".join([*tasks, f"{probe} avg"]) + " |",
+             "|---" * (6 + len(tasks)) + "|"]
+    for run in runs:
+        scores = run["probes"].get(probe, {})
+        loss = "-" if run["final_val_loss"] is None else f"{run['final_val_loss']:.3f}"
+        cells = [f"{scores[task]:.1f}" if task in scores else "-" for task in [*tasks, "avg"]]
+        lines.append(f"| {run['dir'].name} | {run['app']} | {run['size']} | {run['compute']:.2g} | {loss} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+COMMANDS = {"plan": plan_command, "fit": fit_command, "plot": plot_command, "table": table_command}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -292,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
             print(__doc__)
             return
         if argv[0] not in COMMANDS:
-            raise UserError(f"unknown command '{argv[0]}' (plan, fit or plot)")
+            raise UserError(f"unknown command '{argv[0]}' (plan, fit, plot or table)")
         COMMANDS[argv[0]](argv[1:])
 
 

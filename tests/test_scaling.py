@@ -107,7 +107,8 @@ def fake_run(folder, app, dim, lr, bsz_tokens, compute, losses, probe=None):
     if probe is not None:
         (folder / "glue_eval" / "consolidated").mkdir(parents=True)
         (folder / "glue_eval" / "consolidated" / "results.json").write_text(
-            json.dumps({"summary": {"last": {"linear": {"avg": probe}, "knn": {"avg": probe - 5}}}}))
+            json.dumps({"summary": {"last": {"linear": {"sst2": probe + 1, "avg": probe},
+                                               "knn": {"sst2": probe - 4, "avg": probe - 5}}}}))
 
 
 def test_fit_command_on_a_synthetic_sweep(tmp_path, capsys):
@@ -133,8 +134,20 @@ def test_plots_are_written(tmp_path, kind):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
 
 
+def test_table_lists_runs_by_app_and_compute_with_their_probe_scores(tmp_path, capsys):
+    fake_run(tmp_path / "crossbert_big", "crossbert", 128, 1e-3, 512, 1e15, [5.0, 4.25], probe=61.0)
+    fake_run(tmp_path / "bert_big", "bert", 128, 1e-3, 512, 1e15, [5.0, 4.5], probe=60.0)
+    fake_run(tmp_path / "bert_small", "bert", 64, 1e-3, 512, 1e14, [5.0, 4.75])  # not probed yet
+    scaling.main(["table", f"runs={tmp_path}", "probe=knn"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "| run | app | shape | C (FLOPs) | val loss | sst2 | knn avg |"
+    assert lines[2:] == ["| bert_small | bert | 64x2 | 1e+14 | 4.750 | - | - |",
+                         "| bert_big | bert | 128x2 | 1e+15 | 4.500 | 56.0 | 55.0 |",
+                         "| crossbert_big | crossbert | 128x2 | 1e+15 | 4.250 | 57.0 | 56.0 |"]
+
+
 def test_commands_answer_help(capsys):
-    for command in (["plan", "--help"], ["fit", "--help"], ["plot", "--help"]):
+    for command in (["plan", "--help"], ["fit", "--help"], ["plot", "--help"], ["table", "--help"]):
         with pytest.raises(SystemExit) as exit_:
             scaling.main(command)
         assert exit_.value.code == 0
