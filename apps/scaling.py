@@ -10,8 +10,8 @@ paper's Appendix J) whose F_N is nearest sqrt(C / ratio); D = C / F_N token-view
 laws (section 5.1); steps, per-GPU batch and gradient accumulation for `gpus`. fit: from a sweep over sizes, learning
 rates and batch sizes, the best `keep` runs per size by final validation loss, and the LR and BSZ power laws of C
 fitted by log-log least squares (Appendix H). plot: validation-loss curves against compute (curves), final
-validation loss against compute with its fitted law (loss), frozen GLUE probe averages against compute per app
-(probes, the paper's Figure 1; from each run's glue_eval results). table: a Markdown table of the runs by app and
+validation loss against compute with its fitted law (loss), both a panel per app, and frozen GLUE probe averages
+against compute per app (probes, the paper's Figure 1; from each run's glue_eval results). table: a Markdown table of the runs by app and
 compute, with their final validation loss and frozen GLUE scores per task.
 """
 
@@ -254,21 +254,27 @@ def plot_command(argv: list[str]) -> None:
     import matplotlib.pyplot as plt
 
     runs = [read_run(d) for d in run_dirs(args.runs)]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    if args.kind == "curves":
-        for run in runs:
-            if run["val_curve"]:
-                ax.plot(*zip(*run["val_curve"]), marker=".", label=f"{run['app']} {run['dir'].name}")
-        ax.set_ylabel("validation loss")
-    elif args.kind == "loss":
-        _scatter_with_law(ax, runs, lambda run: run["final_val_loss"])
-        ax.set_ylabel("final validation loss")
-    else:
-        _scatter_with_law(ax, runs, lambda run: run["probes"].get(args.probe, {}).get("avg"), fit=False)
-        ax.set_ylabel(f"frozen GLUE average, {args.probe} probe (%)")
-    ax.set_xscale("log")
-    ax.set_xlabel("compute C (FLOPs, paper counting)")
-    ax.legend(fontsize=7)
+    # Losses get a panel per app: the apps' losses are of different tasks (and scales), not comparable.
+    panels = sorted({run["app"] for run in runs}) if args.kind in ("curves", "loss") else [None]
+    fig, axes = plt.subplots(1, len(panels), figsize=(1 + 5 * len(panels), 4), squeeze=False)
+    for ax, app in zip(axes[0], panels):
+        shown = [run for run in runs if app in (None, run["app"])]
+        if args.kind == "curves":
+            for run in shown:
+                if run["val_curve"]:
+                    ax.plot(*zip(*run["val_curve"]), marker=".", label=run["dir"].name)
+            ax.set_ylabel("validation loss")
+        elif args.kind == "loss":
+            _scatter_with_law(ax, shown, lambda run: run["final_val_loss"])
+            ax.set_ylabel("final validation loss")
+        else:
+            _scatter_with_law(ax, shown, lambda run: run["probes"].get(args.probe, {}).get("avg"), fit=False)
+            ax.set_ylabel(f"frozen GLUE average, {args.probe} probe (%)")
+        if app:
+            ax.set_title(app)
+        ax.set_xscale("log")
+        ax.set_xlabel("compute C (FLOPs, paper counting)")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)

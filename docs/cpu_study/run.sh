@@ -7,10 +7,13 @@ GLUE=${GLUE:-../shared/data/glue}
 [ -d data/enwiki ] || python setup/prepare_data.py local --source enwiki "${WIKI:-../shared/data/pretrain/enwiki_2015}"
 python -m lingua.stool sweep sweep=docs/cpu_study/sweep.yaml
 python -m lingua.stool status dump/cpu_study
-for run in dump/cpu_study/*/; do
-  python -m apps.eval.glue ckpt="$run" data="$GLUE" tasks=sst2,mrpc,cola,stsb,rte max_train=1000
+for metrics in dump/cpu_study/*/metrics.jsonl; do  # every run's dump_dir (not submitit's folder)
+  python -m apps.eval.glue ckpt="$(dirname "$metrics")" data="$GLUE" tasks=sst2,mrpc,cola,stsb,rte max_train=1000
 done
 for kind in curves loss probes; do
   python -m apps.scaling plot kind=$kind runs=dump/cpu_study out=docs/cpu_study/$kind.png
 done
 python -m apps.scaling plot kind=probes probe=knn runs=dump/cpu_study out=docs/cpu_study/probes_knn.png
+for probe in linear knn; do
+  python -m apps.scaling table runs=dump/cpu_study probe=$probe | tee docs/cpu_study/glue_$probe.md
+done
