@@ -207,6 +207,16 @@ def test_predictor_defaults_follow_the_encoder():
     pred = CrossBertArgs(encoder=TransformerArgs(dim=768, n_layers=28, n_heads=12)).predictor_transformer()
     assert (pred.n_layers, pred.dim, pred.n_heads, pred.head_dim) == (7, 768, 12, None)
     assert CrossBertArgs(encoder=TransformerArgs(n_layers=2)).predictor_transformer().n_layers == 1
+    assert pred.rope_theta == 10000.0
+
+
+def test_the_predictor_may_take_its_own_rope_base():
+    model = build(predictor=PredictorArgs(rope_theta=100.0))
+    assert model.encoder.rope.theta == TINY.rope_theta and model.predictor.rope.theta == 100.0
+    other = build(predictor=PredictorArgs(rope_theta=100.0 * 7))
+    batch = split(model, tokens())
+    other.load_state_dict(model.state_dict())
+    assert not torch.allclose(predictions(model, batch), predictions(other, batch))  # the base reaches the queries
 
 
 def test_loss_and_accuracy_cover_every_prediction():

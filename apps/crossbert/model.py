@@ -42,16 +42,17 @@ from lingua.transformer import (
 
 @dataclass
 class PredictorArgs:
-    """Unset fields follow the encoder: a quarter of its depth (at least one layer), its width and heads, and its
-    head_dim when width and heads are the encoder's (else dim // n_heads)."""
+    """Unset fields follow the encoder: a quarter of its depth (at least one layer), its width and heads, its
+    head_dim when width and heads are the encoder's (else dim // n_heads), and its RoPE base."""
 
     n_layers: int | None = None  # default: a quarter of the encoder's, at least 1
     dim: int | None = None  # default: the encoder's
     n_heads: int | None = None  # default: the encoder's
     head_dim: int | None = None  # default: the encoder's when dim and heads are, else dim // n_heads
+    rope_theta: float | None = None  # default: the encoder's (docs/crossbert_slow_start.md: a lower base on bytes)
 
     def __post_init__(self):
-        at_least(self, 1, "n_layers", "dim", "n_heads", "head_dim")
+        at_least(self, 1, "n_layers", "dim", "n_heads", "head_dim", "rope_theta")
 
 
 CMS_ATTENTION = ("segments", "mask")
@@ -71,7 +72,7 @@ class CrossBertArgs:
                 f"must be one of {', '.join(CMS_ATTENTION)}, got '{self.cms_attention}'")
 
     def predictor_transformer(self) -> TransformerArgs:
-        """The predictor's block shapes; norms, RoPE, init and attention backend are the encoder's."""
+        """The predictor's block shapes and RoPE base; norms, init and attention backend are the encoder's."""
         enc, pred = self.encoder, self.predictor
         dim, n_heads = pred.dim or enc.dim, pred.n_heads or enc.n_heads
         same_heads = (dim, n_heads) == (enc.dim, enc.n_heads)
@@ -81,6 +82,7 @@ class CrossBertArgs:
             dim=dim,
             n_heads=n_heads,
             head_dim=pred.head_dim or (enc.head_dim if same_heads else None),
+            rope_theta=pred.rope_theta or enc.rope_theta,
         )
 
 
