@@ -11,8 +11,8 @@ laws (section 5.1); steps, per-GPU batch and gradient accumulation for `gpus`. f
 rates and batch sizes, the best `keep` runs per size by final validation loss, and the LR and BSZ power laws of C
 fitted by log-log least squares (Appendix H). plot: validation-loss curves against compute (curves), final
 validation loss against compute with its fitted law (loss), both a panel per app, and frozen GLUE probe averages
-against compute per app (probes, the paper's Figure 1; from each run's glue_eval results). table: a Markdown table of the runs by app and
-compute, with their final validation loss and frozen GLUE scores per task.
+against compute per app (probes, the paper's Figure 1; from each run's glue_eval results). table: a Markdown table
+of the runs by app and compute, with their final validation loss and frozen GLUE scores per task.
 """
 
 import copy
