@@ -28,7 +28,7 @@ import torch
 import yaml
 
 from lingua.app import load_app
-from lingua.args import UserError, _read_yaml, command_line, load_config
+from lingua.args import UserError, _read_yaml, command_line, load_config, require
 from lingua.files import atomic_write
 from lingua.metrics import read_metrics
 from lingua.scaling import (
@@ -71,6 +71,9 @@ class FitArgs:
     keep: int = 3  # best runs per model size kept for the fit (the paper: 3)
 
 
+PROBES = ("linear", "knn")
+
+
 @dataclass
 class PlotArgs:
     kind: str = "curves"  # curves | loss | probes
@@ -78,11 +81,17 @@ class PlotArgs:
     out: str = "plot.png"
     probe: str = "linear"  # probes: linear | knn
 
+    def __post_init__(self):
+        require(self.probe in PROBES, "probe", f"must be linear or knn, got '{self.probe}'")
+
 
 @dataclass
 class TableArgs:
     runs: str = ""  # comma-separated sweep folders (or dump_dirs)
     probe: str = "linear"  # linear | knn
+
+    def __post_init__(self):
+        require(self.probe in PROBES, "probe", f"must be linear or knn, got '{self.probe}'")
 
 
 # ------------------------------------------------------------------------------------------------ plan

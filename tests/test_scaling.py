@@ -144,6 +144,9 @@ def test_table_lists_runs_by_app_and_compute_with_their_probe_scores(tmp_path, c
     assert lines[2:] == ["| bert_small | bert | 64x2 | 1e+14 | 4.750 | - | - |",
                          "| bert_big | bert | 128x2 | 1e+15 | 4.500 | 56.0 | 55.0 |",
                          "| crossbert_big | crossbert | 128x2 | 1e+15 | 4.250 | 57.0 | 56.0 |"]
+    with pytest.raises(SystemExit) as exit_:
+        scaling.main(["table", f"runs={tmp_path}", "probe=ridge"])
+    assert exit_.value.code == 2 and "must be linear or knn" in capsys.readouterr().err
 
 
 def test_commands_answer_help(capsys):
