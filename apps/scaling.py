@@ -74,6 +74,10 @@ class FitArgs:
 PROBES = ("linear", "knn")
 
 
+def require_probe(probe: str) -> None:
+    require(probe in PROBES, "probe", f"must be linear or knn, got '{probe}'")
+
+
 @dataclass
 class PlotArgs:
     kind: str = "curves"  # curves | loss | probes
@@ -82,7 +86,7 @@ class PlotArgs:
     probe: str = "linear"  # probes: linear | knn
 
     def __post_init__(self):
-        require(self.probe in PROBES, "probe", f"must be linear or knn, got '{self.probe}'")
+        require_probe(self.probe)
 
 
 @dataclass
@@ -91,7 +95,7 @@ class TableArgs:
     probe: str = "linear"  # linear | knn
 
     def __post_init__(self):
-        require(self.probe in PROBES, "probe", f"must be linear or knn, got '{self.probe}'")
+        require_probe(self.probe)
 
 
 # ------------------------------------------------------------------------------------------------ plan
