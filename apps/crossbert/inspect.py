@@ -1,0 +1,121 @@
+"""What a CrossBERT checkpoint's predictor reads, on its own validation data (docs/crossbert_slow_start.md):
+    python -m apps.crossbert.inspect ckpt=dump/crossbert_debug [n_sequences=64] [seed=0]
+
+The validation rows of the run's data are masked as in training and one view of each is inspected (view A: the
+visible tokens in the encoder, the masked ones as queries). Printed:
+- the masked-token accuracy and the most frequent predictions (one token everywhere: the unigram plateau);
+- the mean cosine between the positions of a view, for the embeddings as they enter the encoder, the encoder's
+  output and the predictor's output: near 1 means one vector shared by all positions, which carries no token;
+- for every head of every predictor block, the entropy of its attention (as a fraction of the uniform one) and its
+  mean weight at the relative offsets -3..+3 (key position minus query position) and beyond 8. A head that reads
+  the neighbours puts its weight at -1 and +1; uniform weights are 1 / (visible tokens).
+"""
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lingua.args import UserError, at_least, command_line, load_config
+from lingua.checkpoint import load_model
+from lingua.data import load_validation
+from lingua.masking import num_masked
+from lingua.transformer import apply_rope
+
+OFFSETS = (-3, -2, -1, 1, 2, 3)
+FAR = 8
+
+
+@dataclass
+class InspectArgs:
+    ckpt: str = ""  # a CrossBERT run's dump_dir, a checkpoint folder or a consolidated.pt
+    n_sequences: int = 64  # validation rows to inspect
+    seed: int = 0  # the masking of those rows
+
+    def __post_init__(self):
+        at_least(self, 1, "n_sequences")
+
+
+def attention_weights(attention, x, context, q_rope, kv_rope) -> torch.Tensor:
+    """The softmax weights [B, H, Q, K] that `attention` (lingua.transformer.Attention, unmasked) gives."""
+    B, Q, K, H, Dh = x.shape[0], x.shape[1], context.shape[1], attention.n_heads, attention.head_dim
+    q = apply_rope(attention.wq(x).view(B, Q, H, Dh), q_rope)
+    k = apply_rope(attention.wk(context).view(B, K, H, Dh), kv_rope)
+    return (torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / math.sqrt(Dh)).softmax(-1)
+
+
+def mean_cosine(h: torch.Tensor) -> float:
+    """The mean cosine similarity between the positions of each row of h [B, S, D] (self-pairs included)."""
+    unit = F.normalize(h.float(), dim=-1)
+    return (unit @ unit.transpose(1, 2)).mean().item()
+
+
+@torch.no_grad()
+def inspect(model, tokens: torch.Tensor, seed: int) -> dict:
+    """Collapse measures and per-head attention profiles of view A of each row of tokens [B, S]."""
+    batch = model.make_batch(tokens, torch.Generator().manual_seed(seed))
+    seq_len = tokens.shape[1]
+    n_masked = num_masked(model.args.mask_ratio, seq_len)
+    encoder_mask, _ = model.view_masks(*batch["inputs"].shape) if model.args.cms else (None, None)
+    context = model.encoder(batch["inputs"], batch["positions"], encoder_mask)[:, :seq_len - n_masked]
+    keys, queries = batch["positions"][:, :seq_len - n_masked], batch["query_positions"][:, :n_masked]
+    predictor = model.predictor
+    h = predictor.mask_embedding.expand(*queries.shape, -1)
+    context_in, q_rope, kv_rope = predictor.context_proj(context), predictor.rope(queries), predictor.rope(keys)
+    offsets = keys[:, None, :] - queries[:, :, None]  # [B, Q, K]
+    heads = []
+    for layer in predictor.layers:
+        weights = attention_weights(layer.attention, layer.attention_norm(h), context_in, q_rope, kv_rope)
+        entropy = -(weights * weights.clamp_min(1e-12).log()).sum(-1).mean((0, 2)) / math.log(weights.shape[-1])
+        for head in range(weights.shape[1]):
+            w = weights[:, head]
+            heads.append({"entropy": entropy[head].item(),
+                          "at": {d: w[offsets == d].mean().item() for d in OFFSETS},
+                          "far": w[offsets.abs() > FAR].mean().item()})
+        h = layer(h, context_in, q_rope, kv_rope, None)
+    outputs = predictor.output_proj(predictor.norm(h))
+    predictions = model.encoder.logits(outputs).argmax(-1)
+    targets = batch["targets"][:, :n_masked]
+    return {
+        "accuracy": (predictions == targets).float().mean().item(),
+        "top_predictions": torch.bincount(predictions.flatten()).topk(3),
+        "predictions": predictions.numel(),
+        "cosine": {"embeddings": mean_cosine(model.encoder.embed(batch["inputs"][:, :seq_len - n_masked])),
+                   "encoder": mean_cosine(context), "predictor": mean_cosine(outputs)},
+        "heads": heads,
+        "uniform": 1 / (seq_len - n_masked),
+    }
+
+
+def report(found: dict, tokenizer, n_heads: int) -> str:
+    counts, ids = found["top_predictions"]
+    total = found["predictions"]
+    top = ", ".join(f"{tokenizer.decode([i])!r} {n / total:.0%}" for n, i in zip(counts.tolist(), ids.tolist()))
+    cos = found["cosine"]
+    lines = [f"masked-token accuracy {found['accuracy']:.3f}; most frequent predictions: {top}",
+             f"mean cosine between positions: embeddings {cos['embeddings']:.3f}, encoder output "
+             f"{cos['encoder']:.3f}, predictor output {cos['predictor']:.3f}",
+             f"predictor attention (uniform weight {found['uniform']:.4f}): block.head, entropy / uniform, "
+             f"mean weight at offsets {' '.join(f'{d:+d}' for d in OFFSETS)}, beyond {FAR}"]
+    for index, head in enumerate(found["heads"]):
+        weights = " ".join(f"{head['at'][d]:.3f}" for d in OFFSETS)
+        lines.append(f"  {index // n_heads}.{index % n_heads}  {head['entropy']:.3f}  {weights}  {head['far']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    with command_line(__doc__):
+        args = load_config(InspectArgs, sys.argv[1:] if argv is None else argv)
+        if not args.ckpt:
+            raise UserError("ckpt= is required: a CrossBERT run's dump_dir, a checkpoint folder or a consolidated.pt")
+        model, config, tokenizer = load_model(args.ckpt)
+        if not hasattr(model, "predictor"):
+            raise UserError(f"{args.ckpt} is not a CrossBERT checkpoint (its model has no predictor)")
+        tokens = load_validation(config.data, tokenizer, args.n_sequences)
+        print(report(inspect(model, tokens, args.seed), tokenizer, model.predictor.args.n_heads))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""apps.crossbert.inspect: the attention weights it reports are the predictor's own, and the command reports every
+head of a trained run or refuses a checkpoint without a predictor in one line."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from apps.bert.train import APP as BERT
+from apps.crossbert.inspect import attention_weights, main
+from apps.crossbert.model import CrossBertArgs, build_crossbert
+from apps.crossbert.train import APP as CROSSBERT
+from lingua.args import load_config
+from lingua.distributed import build_model
+from lingua.train import train
+from lingua.transformer import TransformerArgs
+from tests.conftest import tiny_argv, write_corpus
+
+
+def test_attention_weights_are_those_the_predictor_uses():
+    args = CrossBertArgs(encoder=TransformerArgs(dim=32, n_layers=2, n_heads=2, max_seqlen=16), cms=False)
+    model = build_model(build_crossbert, args, SimpleNamespace(vocab_size=40, mask_id=39), torch.device("cpu"), 0)
+    attention, rope = model.predictor.layers[0].attention, model.predictor.rope
+    generator = torch.Generator().manual_seed(0)
+    x, context = torch.randn(3, 5, 32, generator=generator), torch.randn(3, 7, 32, generator=generator)
+    q_pos, kv_pos = torch.randint(0, 16, (3, 5), generator=generator), torch.randint(0, 16, (3, 7), generator=generator)
+    with torch.no_grad():
+        weights = attention_weights(attention, x, context, rope(q_pos), rope(kv_pos))
+        values = attention.wv(context).view(3, 7, 2, 16)
+        rebuilt = attention.wo(torch.einsum("bhqk,bkhd->bqhd", weights, values).reshape(3, 5, 32))
+        expected = attention(x, context, rope(q_pos), rope(kv_pos), None, "sdpa")
+    torch.testing.assert_close(weights.sum(-1), torch.ones(3, 2, 5))
+    torch.testing.assert_close(rebuilt, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cms", [True, False])
+def test_reports_every_head_of_a_trained_run(tmp_path, capsys, cms):
+    dump = tmp_path / "run"
+    argv = tiny_argv(write_corpus(tmp_path / "data"), dump, 6) + ["validation.every=0", f"model.cms={cms}",
+                                                                  "model.predictor.n_layers=2"]
+    train(CROSSBERT, load_config(CROSSBERT.args_cls, argv))
+    main([f"ckpt={dump}", "n_sequences=8"])
+    out = capsys.readouterr().out
+    heads = re.findall(r"^  (\d)\.(\d)  ([0-9.]+)((?:  ?[0-9.]+){7})$", out, re.M)
+    assert [(block, head) for block, head, *_ in heads] == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], out
+    assert all(0 < float(entropy) <= 1 for *_, entropy, _ in heads)
+    assert re.search(r"embeddings [0-9.]+, encoder output [0-9.]+, predictor output [0-9.]+", out)
+
+
+def test_refuses_a_checkpoint_without_predictor(tmp_path, capsys):
+    dump = tmp_path / "bert"
+    train(BERT, load_config(BERT.args_cls, tiny_argv(write_corpus(tmp_path / "data"), dump, 2) + ["validation.every=0"]))
+    with pytest.raises(SystemExit) as stop:
+        main([f"ckpt={dump}"])
+    assert stop.value.code == 2 and "is not a CrossBERT checkpoint" in capsys.readouterr().err
