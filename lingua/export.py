@@ -117,8 +117,9 @@ def hf_config(embedder: Embedder, pooler) -> dict:
 
 
 def hf_state_dict(backbone: torch.nn.Module, pooler) -> dict[str, torch.Tensor]:
-    """modeling_lingua.LinguaModel keeps the encoder's parameter names, and the pooler's under `pooler.`."""
-    state = dict(backbone.state_dict())
+    """modeling_lingua.LinguaModel keeps the encoder's parameter names, and the pooler's under `pooler.`; the output
+    head's bias is pre-training's only, not the encoder's."""
+    state = {name: value for name, value in backbone.state_dict().items() if name != "output_bias"}
     if pooler is not None:
         state |= {f"pooler.{name}": value for name, value in pooler.state_dict().items()}
     return {name: value.detach().cpu().contiguous() for name, value in state.items()}

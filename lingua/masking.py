@@ -44,38 +44,42 @@ def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.T
     return loss, {"accuracy": accuracy.detach()}
 
 
-def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                    chunk_tokens: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`masked_lm_loss(hidden @ weight.T, targets)` without the [tokens, vocab] logits ever existing whole: the
-    logits of chunk_tokens rows at a time, whose gradients are computed at once and kept (2 d V FLOPs forward and 4
-    backward, as unchunked). Exact up to float summation order; a prediction counts as correct when the target's
-    logit is the largest (a tie, which argmax would break by index, counts too)."""
-    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    loss, accuracy = _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), chunk_tokens,
-                                                      with_grad)
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`masked_lm_loss(F.linear(hidden, weight, bias), targets)` without the [tokens, vocab] logits ever existing
+    whole: the logits of chunk_tokens rows at a time, whose gradients are computed at once and kept (2 d V FLOPs
+    forward and 4 backward, as unchunked). Exact up to float summation order; a prediction counts as correct when the
+    target's logit is the largest (a tie, which argmax would break by index, counts too)."""
+    with_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    loss, accuracy = _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, -2), weight, bias, targets.flatten(),
+                                                      chunk_tokens, with_grad)
     return loss, {"accuracy": accuracy}
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens, with_grad):
+    def forward(ctx, hidden, weight, bias, targets, chunk_tokens, with_grad):
         n = hidden.shape[0]
         precision = torch.promote_types(hidden.dtype, torch.float32)  # bf16 logits are summed in fp32
         grad_hidden = torch.empty_like(hidden) if with_grad else None
         grad_weight = torch.zeros_like(weight, dtype=precision) if with_grad else None
+        grad_bias = torch.zeros_like(bias, dtype=precision) if with_grad and bias is not None else None
         loss_sum = hidden.new_zeros((), dtype=precision)
         correct = hidden.new_zeros((), dtype=precision)
         for start in range(0, n, chunk_tokens):
             h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens, None]
-            log_probs = (h @ weight.t()).to(precision).log_softmax(-1)  # one fused pass over [chunk, vocab]
+            log_probs = F.linear(h, weight, bias).to(precision).log_softmax(-1)  # one fused pass over [chunk, vocab]
             target_log_probs = log_probs.gather(1, t)
             loss_sum = loss_sum - target_log_probs.sum()
             correct = correct + (target_log_probs.squeeze(1) >= log_probs.amax(-1)).sum()
             if with_grad:  # d(summed loss)/d(logits) = softmax - one_hot; the 1/n is applied once, in backward
-                grad_logits = log_probs.exp_().scatter_add_(1, t, log_probs.new_full(t.shape, -1.0)).to(h.dtype)
+                grad_logits = log_probs.exp_().scatter_add_(1, t, log_probs.new_full(t.shape, -1.0))
+                if grad_bias is not None:
+                    grad_bias += grad_logits.sum(0)
+                grad_logits = grad_logits.to(h.dtype)
                 grad_hidden[start:start + chunk_tokens] = grad_logits @ weight.to(h.dtype)
                 grad_weight += (grad_logits.t() @ h).to(precision)
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.n, ctx.weight_dtype = n, weight.dtype
         accuracy = correct / n
         ctx.mark_non_differentiable(accuracy)
@@ -83,6 +87,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_accuracy):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         scale = grad_loss / ctx.n
-        return grad_hidden * scale.to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype), None, None, None
+        grad_bias = None if grad_bias is None else (grad_bias * scale).to(ctx.weight_dtype)
+        grad_weight = (grad_weight * scale).to(ctx.weight_dtype)
+        return grad_hidden * scale.to(grad_hidden.dtype), grad_weight, grad_bias, None, None, None

@@ -434,7 +434,7 @@ def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, args) -> s
 
 
 ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "norm_eps", "rope_theta",
-                     "scale_embeddings")
+                     "scale_embeddings", "output_bias")
 
 
 def check_same_model(path: Path, saved: dict, shapes: dict, model, app: App, args) -> None:

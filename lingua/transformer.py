@@ -39,6 +39,7 @@ class TransformerArgs:
     attn_backend: str = "sdpa"  # sdpa (CPU and GPU) | flex (GPU, compiled flex_attention) | xformers (if installed)
     head_chunk: int = 4096  # predicted tokens the output head and its loss take at a time; 0: all logits at once
     scale_embeddings: bool = True  # token embeddings enter the residual stream times sqrt(dim); false: unscaled
+    output_bias: bool = False  # a learned per-token bias in the tied output head (zero at init)
 
     def __post_init__(self):
         at_least(self, 1, "dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "max_seqlen")
@@ -260,6 +261,8 @@ def init_weights(module: nn.Module, std: float) -> None:
             sub.reset_parameters()
         elif isinstance(sub, (nn.Linear, nn.Embedding)):
             trunc_normal_(sub.weight, std)
+        elif isinstance(sub, Encoder) and sub.output_bias is not None:
+            nn.init.zeros_(sub.output_bias)
 
 
 def trunc_normal_(tensor: torch.Tensor, std: float) -> None:
@@ -283,6 +286,7 @@ class Encoder(nn.Module):
         self.rope = RotaryEmbedding(head_dim_of(args), args.max_seqlen, args.rope_theta)
         self.layers = nn.ModuleList(SelfAttentionBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output_bias = nn.Parameter(torch.empty(vocab_size)) if args.output_bias else None
 
     def forward(self, tokens, positions, mask: AttnMask | Segments | None = None, all_layers: bool = False):
         """tokens, positions: [B, S] -> final hidden states [B, S, D] after the final norm.
@@ -311,7 +315,7 @@ class Encoder(nn.Module):
         return self(tokens, default_positions(tokens), padding_mask(pad_mask), all_layers)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.tok_embeddings.weight)
+        return F.linear(h, self.tok_embeddings.weight, self.output_bias)
 
     def lm_loss(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Cross-entropy (and accuracy) of the tied head's predictions from h [..., D] against targets [...],
@@ -319,7 +323,7 @@ class Encoder(nn.Module):
         autograd, the plain way, kept as the reference)."""
         if self.args.head_chunk == 0:
             return masked_lm_loss(self.logits(h), targets)
-        return chunked_lm_loss(h, self.tok_embeddings.weight, targets, self.args.head_chunk)
+        return chunked_lm_loss(h, self.tok_embeddings.weight, targets, self.args.head_chunk, self.output_bias)
 
 
 def default_positions(tokens: torch.Tensor) -> torch.Tensor:

@@ -33,12 +33,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """A tiny CrossBERT pre-training run (no pooler: mean pooling) and a contrastive run started from it (its
-    attention pooler warm-started from the predictor), fine-tuned so that both the encoder and the pooler moved."""
+    """A tiny CrossBERT pre-training run (no pooler: mean pooling; an output bias, which the export leaves out)
+    and a contrastive run started from it (its attention pooler warm-started from the predictor), fine-tuned so
+    that both the encoder and the pooler moved."""
     root = tmp_path_factory.mktemp("runs")
     pretrained = root / "crossbert"
-    train(CROSSBERT, load_config(CROSSBERT.args_cls,
-                                 tiny_argv(write_corpus(root / "data"), pretrained, 4) + ["validation.every=0"]))
+    argv = tiny_argv(write_corpus(root / "data"), pretrained, 4) + ["validation.every=0",
+                                                                    "model.encoder.output_bias=true"]
+    train(CROSSBERT, load_config(CROSSBERT.args_cls, argv))
     contrastive = root / "contrastive"
     run_contrastive(contrastive_argv(write_triplets(root / "t.jsonl", 32), contrastive, pretrained, 3,
                                      "model.frozen=false"))

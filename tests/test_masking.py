@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lingua.masking import chunked_lm_loss, masked_lm_loss
 
@@ -15,18 +16,20 @@ def inputs(dtype=torch.float64):
     return hidden, weight, torch.randint(0, V, (3, N), generator=generator)
 
 
-def loss_and_grads(loss_fn):
+def loss_and_grads(loss_fn, with_bias: bool):
     hidden, weight, targets = inputs()
-    loss, stats = loss_fn(hidden, weight, targets)
-    (3 * loss).backward()  # a scale on the loss reaches both gradients
-    return loss, stats["accuracy"], hidden.grad, weight.grad
+    bias = torch.randn(V, generator=torch.Generator().manual_seed(1), dtype=weight.dtype).requires_grad_()
+    loss, stats = loss_fn(hidden, weight, targets, bias if with_bias else None)
+    (3 * loss).backward()  # a scale on the loss reaches every gradient
+    return loss, stats["accuracy"], hidden.grad, weight.grad, bias.grad if with_bias else torch.zeros(())
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("chunk", [1, 10, 37, 111, 4096])
-def test_chunked_head_equals_the_whole_logits(chunk):
-    expected = loss_and_grads(lambda h, w, t: masked_lm_loss(h @ w.t(), t))
-    got = loss_and_grads(lambda h, w, t: chunked_lm_loss(h, w, t, chunk))
-    for name, a, b in zip(("loss", "accuracy", "grad hidden", "grad weight"), got, expected):
+def test_chunked_head_equals_the_whole_logits(chunk, with_bias):
+    expected = loss_and_grads(lambda h, w, t, b: masked_lm_loss(F.linear(h, w, b), t), with_bias)
+    got = loss_and_grads(lambda h, w, t, b: chunked_lm_loss(h, w, t, chunk, b), with_bias)
+    for name, a, b in zip(("loss", "accuracy", "grad hidden", "grad weight", "grad bias"), got, expected):
         assert torch.allclose(a, b.to(a.dtype), rtol=1e-10, atol=1e-7), name  # accuracy: fp32 in the reference
 
 

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -45,6 +46,17 @@ def test_init_is_truncated_normal_with_configured_std():
     w = build_encoder(args).layers[0].feed_forward.w1.weight
     assert abs(w.std().item() - 0.05 * 0.9866) < 0.002  # a normal truncated at 3 sigma has std 0.9866 sigma
     assert w.abs().max().item() <= 3 * 0.05 + 1e-6
+
+
+def test_output_bias_starts_at_zero_and_enters_the_head():
+    model = build_encoder(dataclasses.replace(TINY, output_bias=True))
+    assert build_encoder().output_bias is None and torch.equal(model.output_bias, torch.zeros(50))
+    hidden, targets = torch.randn(3, 7, TINY.dim), torch.randint(0, 50, (3, 7))
+    before = model.lm_loss(hidden, targets)[0]
+    with torch.no_grad():
+        model.output_bias[targets.flatten()] += 1.0  # the targets' logits go up, so the loss goes down
+    assert model.lm_loss(hidden, targets)[0] < before
+    torch.testing.assert_close(model.logits(hidden), hidden @ model.tok_embeddings.weight.t() + model.output_bias)
 
 
 def test_rope_depends_only_on_relative_position():
