@@ -187,10 +187,9 @@ def test_preemption_signal_to_one_rank_stops_all_at_one_step(corpus, tmp_path):
         while time.time() < deadline and not (dump / "metrics.jsonl").exists():
             time.sleep(0.2)
         time.sleep(1)
-        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                                  text=True).stdout.split()]
         rank0 = int((dump / ".lock").read_text().split()[1])
-        os.kill(next(p for p in workers if p != rank0), signal.SIGUSR2)  # rank 1 only
+        rank1, = (p for p in _training_children(proc.pid) if p != rank0)  # not a helper process torchrun started
+        os.kill(rank1, signal.SIGUSR2)  # rank 1 only
         output, _ = proc.communicate(timeout=120)
     finally:
         end(proc)
@@ -203,6 +202,12 @@ def test_preemption_signal_to_one_rank_stops_all_at_one_step(corpus, tmp_path):
     step = int(saved[0].name)
     torchrun("-m", "apps.bert.train", *_train_argv(corpus, dump, step + 3, "validation.every=0"))
     assert max(read_metrics(dump)) == step + 3
+
+
+def _training_children(pid: int) -> list[int]:
+    """The child processes of `pid` that run the training module."""
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in children if b"apps.bert.train" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
 def test_a_held_dump_dir_refuses_every_rank(corpus, tmp_path):
