@@ -87,7 +87,7 @@ def test_a_nested_config_starts_from_its_fields_default():
 @pytest.mark.parametrize("module", ["apps.bert.train", "apps.crossbert.train", "apps.electra.train", "apps.benchmark",
                                     "apps.diagnose", "apps.eval.glue", "apps.scaling", "lingua.stool",
                                     "apps.contrastive.train", "apps.eval.embeddings", "apps.eval.mteb",
-                                    "lingua.eval.triplets", "lingua.export"])
+                                    "lingua.eval.triplets", "lingua.export", "apps.crossbert.inspect"])
 def test_every_command_answers_help(module):
     done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1])
