@@ -50,7 +50,8 @@ def test_reports_every_head_of_a_trained_run(tmp_path, capsys, cms):
 
 def test_refuses_a_checkpoint_without_predictor(tmp_path, capsys):
     dump = tmp_path / "bert"
-    train(BERT, load_config(BERT.args_cls, tiny_argv(write_corpus(tmp_path / "data"), dump, 2) + ["validation.every=0"]))
+    argv = tiny_argv(write_corpus(tmp_path / "data"), dump, 2) + ["validation.every=0"]
+    train(BERT, load_config(BERT.args_cls, argv))
     with pytest.raises(SystemExit) as stop:
         main([f"ckpt={dump}"])
     assert stop.value.code == 2 and "is not a CrossBERT checkpoint" in capsys.readouterr().err
