@@ -201,12 +201,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
 
     def forward(self, x, context, q_rope, kv_rope, bias, backend: str) -> torch.Tensor:
-        B, Sq, Sk = x.shape[0], x.shape[1], context.shape[1]
-        q = self.wq(x).view(B, Sq, self.n_heads, self.head_dim)
-        k = self.wk(context).view(B, Sk, self.n_heads, self.head_dim)
-        v = self.wv(context).view(B, Sk, self.n_heads, self.head_dim)
-        out = attention(apply_rope(q, q_rope), apply_rope(k, kv_rope), v, bias, backend)
-        return self.wo(out.reshape(B, Sq, -1))
+        q, k = self.rotated_queries_keys(x, context, q_rope, kv_rope)
+        v = self.wv(context).view(*context.shape[:2], self.n_heads, self.head_dim)
+        return self.wo(attention(q, k, v, bias, backend).flatten(2))
+
+    def rotated_queries_keys(self, x, context, q_rope, kv_rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [B, Sq, H, Dh] of x and keys [B, Sk, H, Dh] of context, RoPE applied."""
+        q = self.wq(x).view(*x.shape[:2], self.n_heads, self.head_dim)
+        k = self.wk(context).view(*context.shape[:2], self.n_heads, self.head_dim)
+        return apply_rope(q, q_rope), apply_rope(k, kv_rope)
 
 
 class FeedForward(nn.Module):

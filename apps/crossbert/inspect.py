@@ -22,7 +22,6 @@ from lingua.args import UserError, at_least, command_line, load_config
 from lingua.checkpoint import load_model
 from lingua.data import load_validation
 from lingua.masking import num_masked
-from lingua.transformer import apply_rope
 
 OFFSETS = (-3, -2, -1, 1, 2, 3)
 FAR = 8
@@ -40,10 +39,8 @@ class InspectArgs:
 
 def attention_weights(attention, x, context, q_rope, kv_rope) -> torch.Tensor:
     """The softmax weights [B, H, Q, K] that `attention` (lingua.transformer.Attention, unmasked) gives."""
-    B, Q, K, H, Dh = x.shape[0], x.shape[1], context.shape[1], attention.n_heads, attention.head_dim
-    q = apply_rope(attention.wq(x).view(B, Q, H, Dh), q_rope)
-    k = apply_rope(attention.wk(context).view(B, K, H, Dh), kv_rope)
-    return (torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / math.sqrt(Dh)).softmax(-1)
+    q, k = attention.rotated_queries_keys(x, context, q_rope, kv_rope)
+    return (torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / math.sqrt(attention.head_dim)).softmax(-1)
 
 
 def mean_cosine(h: torch.Tensor) -> float:
