@@ -1,5 +1,6 @@
-"""apps.crossbert.inspect: the attention weights it reports are the predictor's own, and the command reports every
-head of a trained run or refuses a checkpoint without a predictor in one line."""
+"""apps.crossbert.inspect: the attention weights it reports are the predictor's own, a branch that adds the same
+vector everywhere is reported as such, and the command reports every head and branch of a trained run or refuses a
+checkpoint without a predictor in one line."""
 
 import re
 from types import SimpleNamespace
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from apps.bert.train import APP as BERT
-from apps.crossbert.inspect import attention_weights, main
-from apps.crossbert.model import CrossBertArgs, build_crossbert
+from apps.crossbert.inspect import attention_weights, inspect, main
+from apps.crossbert.model import CrossBertArgs, PredictorArgs, build_crossbert
 from apps.crossbert.train import APP as CROSSBERT
 from lingua.args import load_config
 from lingua.distributed import build_model
@@ -34,6 +35,21 @@ def test_attention_weights_are_those_the_predictor_uses():
     torch.testing.assert_close(rebuilt, expected, atol=1e-6, rtol=1e-5)
 
 
+def test_branch_sizes_separate_what_varies_between_positions():
+    args = CrossBertArgs(encoder=TransformerArgs(dim=32, n_layers=2, n_heads=2, max_seqlen=16),
+                         predictor=PredictorArgs(n_layers=2))
+    model = build_model(build_crossbert, args, SimpleNamespace(vocab_size=40, mask_id=39), torch.device("cpu"), 0)
+    tokens = torch.randint(0, 39, (4, 16), generator=torch.Generator().manual_seed(0))
+    varied = inspect(model, tokens, seed=0)["branches"]
+    with torch.no_grad():  # every token the same vector: the encoder's output, hence every branch, is one vector
+        model.encoder.tok_embeddings.weight.copy_(model.encoder.tok_embeddings.weight[:1].clone())
+    constant = inspect(model, tokens, seed=0)["branches"]
+    names = ["0.attention", "0.feed-forward", "1.attention", "1.feed-forward"]
+    assert [b["name"] for b in varied] == [b["name"] for b in constant] == names
+    assert all(b["varying"] > 0.1 * b["rms"] for b in varied if b["name"] == "0.attention")
+    assert all(b["rms"] > 0 and b["varying"] < 1e-5 * b["rms"] for b in constant)
+
+
 @pytest.mark.parametrize("cms", [True, False])
 def test_reports_every_head_of_a_trained_run(tmp_path, capsys, cms):
     dump = tmp_path / "run"
@@ -46,6 +62,8 @@ def test_reports_every_head_of_a_trained_run(tmp_path, capsys, cms):
     assert [(block, head) for block, head, *_ in heads] == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], out
     assert all(0 < float(entropy) <= 1 for *_, entropy, _ in heads)
     assert re.search(r"embeddings [0-9.]+, encoder output [0-9.]+, predictor output [0-9.]+", out)
+    branches = re.findall(r"^  (\d\.[a-z-]+)  [0-9.]+  [0-9.]+$", out, re.M)
+    assert branches == ["0.attention", "0.feed-forward", "1.attention", "1.feed-forward"], out
 
 
 def test_refuses_a_checkpoint_without_predictor(tmp_path, capsys):

@@ -8,7 +8,11 @@ visible tokens in the encoder, the masked ones as queries). Printed:
   output and the predictor's output: near 1 means one vector shared by all positions, which carries no token;
 - for every head of every predictor block, the entropy of its attention (as a fraction of the uniform one) and its
   mean weight at the relative offsets -3..+3 (key position minus query position) and beyond 8. A head that reads
-  the neighbours puts its weight at -1 and +1; uniform weights are 1 / (visible tokens).
+  the neighbours puts its weight at -1 and +1; uniform weights are 1 / (visible tokens);
+- for every residual branch of the predictor (each block's attention and feed-forward), the RMS of its output and
+  of the part of it that varies between positions (its output minus its mean over all inspected positions): a
+  branch that is nearly all its mean adds the same vector everywhere, which after the final norm drowns what the
+  varying part carries.
 """
 
 import math
@@ -43,6 +47,28 @@ def attention_weights(attention, x, context, q_rope, kv_rope) -> torch.Tensor:
     return (torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / math.sqrt(attention.head_dim)).softmax(-1)
 
 
+def rms(h: torch.Tensor) -> float:
+    """Root mean square of the vectors of h [..., D], averaged over the vectors."""
+    return h.float().pow(2).mean(-1).sqrt().mean().item()
+
+
+def branch_sizes(output: torch.Tensor) -> dict[str, float]:
+    """RMS of a branch's output [B, Q, D] and of its deviation from its mean over all B x Q positions."""
+    return {"rms": rms(output), "varying": rms(output - output.float().mean((0, 1)))}
+
+
+def run_block(layer, h, context, q_rope, kv_rope) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A predictor block's output and what its attention and feed-forward branches added to the residual stream."""
+    added = {}
+    hooks = [module.register_forward_hook(lambda _, __, out, name=name: added.__setitem__(name, out))
+             for name, module in (("attention", layer.attention), ("feed-forward", layer.feed_forward))]
+    try:
+        return layer(h, context, q_rope, kv_rope, None), added
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def mean_cosine(h: torch.Tensor) -> float:
     """The mean cosine similarity between the positions of each row of h [B, S, D] (self-pairs included)."""
     unit = F.normalize(h.float(), dim=-1)
@@ -62,8 +88,8 @@ def inspect(model, tokens: torch.Tensor, seed: int) -> dict:
     h = predictor.mask_embedding.expand(*queries.shape, -1)
     context_in, q_rope, kv_rope = predictor.context_proj(context), predictor.rope(queries), predictor.rope(keys)
     offsets = keys[:, None, :] - queries[:, :, None]  # [B, Q, K]
-    heads = []
-    for layer in predictor.layers:
+    heads, branches = [], []
+    for index, layer in enumerate(predictor.layers):
         weights = attention_weights(layer.attention, layer.attention_norm(h), context_in, q_rope, kv_rope)
         entropy = -(weights * weights.clamp_min(1e-12).log()).sum(-1).mean((0, 2)) / math.log(weights.shape[-1])
         for head in range(weights.shape[1]):
@@ -71,17 +97,20 @@ def inspect(model, tokens: torch.Tensor, seed: int) -> dict:
             heads.append({"entropy": entropy[head].item(),
                           "at": {d: w[offsets == d].mean().item() for d in OFFSETS},
                           "far": w[offsets.abs() > FAR].mean().item()})
-        h = layer(h, context_in, q_rope, kv_rope, None)
+        h, added = run_block(layer, h, context_in, q_rope, kv_rope)
+        branches += [{"name": f"{index}.{name}", **branch_sizes(out)} for name, out in added.items()]
     outputs = predictor.output_proj(predictor.norm(h))
     predictions = model.encoder.logits(outputs).argmax(-1)
     targets = batch["targets"][:, :n_masked]
     return {
         "accuracy": (predictions == targets).float().mean().item(),
-        "top_predictions": torch.bincount(predictions.flatten()).topk(3),
+        "top_predictions": torch.bincount(predictions.flatten(), minlength=3).topk(3),
         "predictions": predictions.numel(),
         "cosine": {"embeddings": mean_cosine(model.encoder.embed(batch["inputs"][:, :seq_len - n_masked])),
                    "encoder": mean_cosine(context), "predictor": mean_cosine(outputs)},
         "heads": heads,
+        "branches": branches,
+        "mask_embedding": rms(predictor.mask_embedding),
         "uniform": 1 / (seq_len - n_masked),
     }
 
@@ -99,6 +128,9 @@ def report(found: dict, tokenizer, n_heads: int) -> str:
     for index, head in enumerate(found["heads"]):
         weights = " ".join(f"{head['at'][d]:.3f}" for d in OFFSETS)
         lines.append(f"  {index // n_heads}.{index % n_heads}  {head['entropy']:.3f}  {weights}  {head['far']:.3f}")
+    lines.append(f"predictor branches: block.branch, RMS of the output, of its part that varies between positions "
+                 f"(mask embedding RMS {found['mask_embedding']:.3f})")
+    lines += [f"  {b['name']}  {b['rms']:.3f}  {b['varying']:.3f}" for b in found["branches"]]
     return "\n".join(lines)
 
 
