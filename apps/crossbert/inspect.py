@@ -48,12 +48,13 @@ def attention_weights(attention, x, context, q_rope, kv_rope) -> torch.Tensor:
 
 
 def rms(h: torch.Tensor) -> float:
-    """Root mean square of the vectors of h [..., D], averaged over the vectors."""
-    return h.float().pow(2).mean(-1).sqrt().mean().item()
+    """Root mean square of all the entries of h."""
+    return h.float().pow(2).mean().sqrt().item()
 
 
 def branch_sizes(output: torch.Tensor) -> dict[str, float]:
-    """RMS of a branch's output [B, Q, D] and of its deviation from its mean over all B x Q positions."""
+    """RMS of a branch's output [B, Q, D] and of its deviation from its mean vector over all B x Q positions (the
+    squares add up: rms^2 = varying^2 + mean^2)."""
     return {"rms": rms(output), "varying": rms(output - output.float().mean((0, 1)))}
 
 
