@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lingua.args import UserError, at_least, from_dict
-from lingua.distributed import all_reduce, barrier, build_model, rank_and_world
+from lingua.distributed import all_reduce, build_model, fail_together, on_all_ranks, rank_and_world
 from lingua.files import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -152,12 +152,16 @@ class CheckpointManager:
 
     def remove_leftovers(self) -> None:
         """Half-written (`.tmp`) and half-deleted (`.deleting`) checkpoints of processes killed at that moment."""
-        if rank_and_world()[0] == 0 and self.folder.is_dir():
-            for leftover in self.folder.iterdir():
-                if leftover.is_dir() and LEFTOVER_NAME.match(leftover.name):
+        on_all_ranks(self._remove_leftovers)
+
+    def _remove_leftovers(self) -> None:
+        for leftover in self.folder.iterdir() if self.folder.is_dir() else []:
+            if leftover.is_dir() and LEFTOVER_NAME.match(leftover.name):
+                try:
                     shutil.rmtree(leftover)
-                    logger.info(f"removed {leftover.name}, left by a process killed while saving or pruning")
-        barrier()
+                except OSError as e:
+                    raise UserError(f"cannot remove {leftover}, left by a killed process: {e.strerror}") from None
+                logger.info(f"removed {leftover.name}, left by a process killed while saving or pruning")
 
     def check_folder(self) -> None:
         """The checkpoints folder is a folder, or absent: never a file or a link to a missing (unmounted) folder."""
@@ -176,35 +180,48 @@ class CheckpointManager:
         return target
 
     def save(self, step: int, model: nn.Module, optimizer, train_state: dict, params: dict) -> Path:
+        """Every rank calls it. The stages (rank 0 makes the folder; every rank writes its part; rank 0 completes
+        it) end in an agreement: a failure on any rank (a full disk, a lost mount) is raised on every rank, once
+        the `.tmp` folder is removed, and the previous checkpoint stays in force."""
         rank, _ = rank_and_world()
         final = self.folder / f"{step:010d}"
         tmp = final.with_name(final.name + ".tmp")
-        try:
-            if rank == 0:
-                tmp.mkdir(parents=True)
-            barrier()
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            with _dcp_quietly():
-                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-            (tmp / f"train_state_{rank:05d}.json").write_text(json.dumps(train_state))
-            if rank == 0:
-                (tmp / "params.json").write_text(json.dumps(params))
-            barrier()
-            if rank == 0:
-                sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-                (tmp / MANIFEST).write_text(json.dumps(sizes))
-        except (Exception, CheckpointException) as e:
-            reason = self._save_failure(e)
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise UserError(f"could not save checkpoint {final}: {reason}; the previous checkpoint is kept") from None
-        if rank == 0:
-            if final.exists():  # the same step saved again (a stop right after resuming): swap, then delete
-                os.replace(final, final.with_name(final.name + ".deleting"))
-            os.replace(tmp, final)  # the folder's rename is atomic
-            self._prune()
-            logger.info(f"saved checkpoint {final}")
-        barrier()
+        self._stage(final, tmp, lambda: tmp.mkdir(parents=True) if rank == 0 else None)
+        self._stage(final, tmp, lambda: self._write(tmp, rank, model, optimizer, train_state, params))
+        self._stage(final, tmp, lambda: self._complete(final, tmp) if rank == 0 else None)
         return final
+
+    def _stage(self, final: Path, tmp: Path, write) -> None:
+        failure = None
+        try:
+            write()
+        except (Exception, CheckpointException) as e:
+            failure = f"could not save checkpoint {final}: {self._save_failure(e)}; the previous checkpoint is kept"
+        try:
+            fail_together(failure)
+        except UserError:
+            if rank_and_world()[0] == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    @staticmethod
+    def _write(tmp: Path, rank: int, model: nn.Module, optimizer, train_state: dict, params: dict) -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with _dcp_quietly():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        (tmp / f"train_state_{rank:05d}.json").write_text(json.dumps(train_state))
+        if rank == 0:
+            (tmp / "params.json").write_text(json.dumps(params))
+
+    def _complete(self, final: Path, tmp: Path) -> None:
+        """Rank 0, once every rank has written its part: the manifest, then the rename that makes it complete."""
+        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps(sizes))
+        if final.exists():  # the same step saved again (a stop right after resuming): swap, then delete
+            os.replace(final, final.with_name(final.name + ".deleting"))
+        os.replace(tmp, final)  # the folder's rename is atomic
+        self._prune()
+        logger.info(f"saved checkpoint {final}")
 
     def _save_failure(self, error: BaseException) -> str:
         """DCP reports a full disk as a torn zip record, not ENOSPC: the free space tells."""
@@ -230,12 +247,17 @@ class CheckpointManager:
         return [_read_json(file, keys) for file in sorted(path.glob("train_state_*.json"))]
 
     def _prune(self) -> None:
-        for old in self.complete_checkpoints()[: -self.args.keep] if self.args.keep > 0 else []:
-            doomed = old.with_name(old.name + ".deleting")  # no longer looks complete, even if killed mid-delete
-            os.replace(old, doomed)
-            shutil.rmtree(doomed)
-        for doomed in self.folder.glob("*.deleting"):  # a checkpoint saved again over itself
-            shutil.rmtree(doomed)
+        """Deletes the checkpoints beyond `keep`; one that cannot be deleted is named and left (as `.deleting`,
+        removed when the next run starts): the new checkpoint is saved, the run goes on."""
+        doomed = [old.with_name(old.name + ".deleting") for old in
+                  (self.complete_checkpoints()[: -self.args.keep] if self.args.keep > 0 else [])]
+        try:
+            for folder in doomed:  # renamed first: no longer looks complete, even if killed mid-delete
+                os.replace(folder.with_name(folder.name.removesuffix(".deleting")), folder)
+            for folder in self.folder.glob("*.deleting"):  # also a checkpoint saved again over itself
+                shutil.rmtree(folder)
+        except OSError as e:
+            logger.warning(f"could not delete an old checkpoint ({e.strerror}: {e.filename}): it is left in place")
 
 
 def export_consolidated(model: nn.Module, params: dict, path: str | Path) -> Path:
@@ -243,12 +265,15 @@ def export_consolidated(model: nn.Module, params: dict, path: str | Path) -> Pat
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=options)
     path = Path(path)
-    if rank_and_world()[0] == 0:
+
+    def write() -> None:
         try:
             atomic_write(path, lambda file: torch.save({**params, "model": weights}, file))
         except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
             reason = e.strerror if isinstance(e, OSError) and e.strerror else short_reason(e)
             raise UserError(f"cannot write {path}: {reason}") from None
+
+    on_all_ranks(write)  # rank 0 writes; its failure is every rank's
     return path
 
 

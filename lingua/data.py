@@ -16,6 +16,7 @@ buffer per source. That buffer is always the unconsumed tail of a single documen
 document's line starts plus a token offset and rebuilds the buffer exactly by re-reading that one line.
 """
 
+import collections
 import json
 import logging
 import os
@@ -113,7 +114,8 @@ class _SourceStream:
 
     def __init__(self, name: str, files: list[str], rank: int, world_size: int, tokenizer):
         self.name, self.rank = name, rank
-        sizes = [os.path.getsize(f) for f in files]
+        self.identities = {f: _identity(os.stat(f)) for f in files}  # what each file was when the run started
+        sizes = [identity[0] for identity in self.identities.values()]
         self.total_bytes = sum(sizes)
         self.own_segments = _rank_segments(files, sizes, rank, world_size)
         if not self.own_segments:
@@ -144,9 +146,13 @@ class _SourceStream:
                 self._next_segment()
                 continue
             if self.file is None:
-                self.file = open(path, "rb")
+                self.file = self._open(path)
                 self.file.seek(self.pos)
             line = self.file.readline()
+            if not line.endswith(b"\n") and self.pos + len(line) < self.identities[path][0]:
+                size = os.fstat(self.file.fileno()).st_size
+                raise UserError(f"data file {path} shrank under the running job ({self.identities[path][0]:,} bytes "
+                                f"at the start, {size:,} now): {_CHANGED}")
             offset, self.pos = self.pos, self.pos + len(line)
             doc = self.tokens(line, path, offset)
             if doc is not None:
@@ -164,6 +170,17 @@ class _SourceStream:
             self.epoch, self.seg, self.segments = self.epoch + 1, 0, self.own_segments
             logger.info(f"data source '{self.name}': rank {self.rank} starts epoch {self.epoch}")
         self.pos, self.skip = self.segments[self.seg][1], self.segments[self.seg][3]
+
+    def _open(self, path: str):
+        """The file, if it is still the one the run started with (not removed, replaced, shrunk or rewritten)."""
+        try:
+            file = open(path, "rb")
+        except FileNotFoundError:
+            raise UserError(f"data file {path} vanished under the running job: {_CHANGED}") from None
+        if _identity(os.fstat(file.fileno())) != self.identities[path]:
+            file.close()
+            raise UserError(f"data file {path} was replaced or changed under the running job: {_CHANGED}")
+        return file
 
     def close(self) -> None:
         if self.file is not None:
@@ -197,6 +214,15 @@ class _SourceStream:
         self.tokens.malformed = state["malformed_lines"]
 
 
+_CHANGED = ("the data must not change while a run reads it: restore it and run the same command to resume from the "
+            "newest checkpoint, or start a new run (another dump_dir) on the changed data")
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int, int]:
+    """Size, inode and modification time: a file removed, replaced, truncated or rewritten in place differs."""
+    return stat.st_size, stat.st_ino, stat.st_mtime_ns
+
+
 def _line_start_at_or_after(path: str, offset: int) -> int:
     """First line boundary >= offset: a line starts at 0 or right after a newline."""
     if offset == 0:
@@ -211,7 +237,9 @@ class TrainLoader:
     """Endless iterator of LongTensor [batch_size, seq_len]; state_dict() is the position after the last batch returned.
 
     With prefetch > 0 a daemon thread runs up to `prefetch` batches ahead; each queued batch carries a snapshot of
-    the state right after it, so prefetched but unconsumed batches are not lost on resume.
+    the state right after it, so prefetched but unconsumed batches are not lost on resume. `prepare(n)` fetches the
+    next step's batches before the step, so that the ranks agree on a data failure before any of them starts a
+    step it could not finish.
     """
 
     def __init__(self, args: DataArgs, tokenizer, rank: int, world_size: int, state: dict[str, Any] | None = None):
@@ -225,6 +253,7 @@ class TrainLoader:
         if state is not None:
             self._load_state_dict(state)
         self._state = self._snapshot()
+        self._ready: collections.deque = collections.deque()  # (batch, state) fetched by `prepare`
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._queue: queue.Queue = queue.Queue(maxsize=max(args.prefetch, 1))
@@ -271,19 +300,38 @@ class TrainLoader:
         return self
 
     def __next__(self) -> torch.Tensor:
+        batch, state = self._ready.popleft() if self._ready else self._fetch()
+        self._state = state
+        return batch
+
+    def _fetch(self) -> tuple[torch.Tensor, dict[str, Any]]:
         if self._error is not None:
             raise self._error
         if self._stop.is_set():
             raise RuntimeError("data loader is closed")
-        if self._thread is None:
-            batch, state = self._next_batch(), self._snapshot()
-        else:
+        try:
+            if self._thread is None:
+                return self._next_batch(), self._snapshot()
             batch, state = self._queue.get()
-            if batch is None:
-                self._error = state
-                raise state
-        self._state = state
-        return batch
+        except BaseException as e:
+            self._error = e
+            raise
+        if batch is None:
+            self._error = state
+            raise state
+        return batch, state
+
+    def prepare(self, n: int) -> str | None:
+        """Fetches batches until the next n are at hand, waiting for them; returns why they cannot be had (a data
+        file that changed under the run, a read error), or None. The next n `next()` return them."""
+        try:
+            while len(self._ready) < n:
+                self._ready.append(self._fetch())
+        except UserError as e:
+            return str(e)
+        except OSError as e:
+            return f"cannot read the training data: {e.strerror or e}{f': {e.filename}' if e.filename else ''}"
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(self._state))  # a deep copy, and proof that it is plain JSON

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,7 @@ class DistributedArgs:
     activation_checkpointing: str = "none"  # none | full (recompute each block) | selective (keep matmul outputs)
     stop_signal: str = "SIGUSR2"  # SLURM's warning before the time limit (sbatch --signal=USR2@180)
     requeue: bool = True  # under SLURM, requeue the job after the stop signal, so it resumes unattended
-    timeout_minutes: int = 30  # collectives that wait longer fail instead of hanging
+    timeout_minutes: float = 30  # a collective that waits longer ends the job with one line naming the rank
 
     def __post_init__(self):
         require(self.fsdp_type in FSDP_TYPES, "fsdp_type", f"must be one of {', '.join(FSDP_TYPES)}")
@@ -49,7 +50,7 @@ class DistributedArgs:
         require(self.stop_signal in STOP_SIGNALS, "stop_signal",
                 f"must be one of {', '.join(STOP_SIGNALS)}, got '{self.stop_signal}'")
         at_least(self, 0, "shard_size")
-        at_least(self, 1, "timeout_minutes")
+        require(self.timeout_minutes > 0, "timeout_minutes", f"must be > 0, got {self.timeout_minutes}")
 
 
 # ------------------------------------------------------------------------------------------------------- launch
@@ -127,7 +128,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
-def init_process_group(launch: Launch, device: torch.device, timeout_minutes: int) -> None:
+def init_process_group(launch: Launch, device: torch.device, timeout_minutes: float) -> None:
     """One process group per run when there are several processes (nccl on GPUs, gloo on CPUs)."""
     if launch.world_size == 1 or dist.is_initialized():
         return
@@ -135,15 +136,26 @@ def init_process_group(launch: Launch, device: torch.device, timeout_minutes: in
         torch.cuda.set_device(device)
     os.environ.setdefault("MASTER_ADDR", launch.master_addr)
     os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=launch.rank,
-                            world_size=launch.world_size, timeout=datetime.timedelta(minutes=timeout_minutes),
+                            world_size=launch.world_size, timeout=timeout, store=_restart_store(launch, timeout),
                             device_id=device if device.type == "cuda" else None)
+
+
+def _restart_store(launch: Launch, timeout: datetime.timedelta):
+    """torchrun lends its workers its own rendezvous store (TORCHELASTIC_USE_AGENT_STORE), where the keys of a
+    process group carry no restart number: workers restarted by `--max-restarts` would read the addresses of the
+    round before and fail to connect (pytorch#135712). Each restart gets a key space of its own; None elsewhere."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"lingua/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def destroy_process_group() -> None:
     """Also collects garbage first: a model's reference cycles (FSDP's hooks) can hold gloo work, and freeing that
-    during interpreter shutdown instead aborts the process ("terminate called without an active exception", 1 in 8
-    two-process CPU runs before this)."""
+    during interpreter shutdown instead aborts the process ("terminate called without an active exception")."""
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
@@ -176,12 +188,30 @@ def broadcast_object(obj):
     return box[0]
 
 
-def all_gather_object(obj) -> list:
+def all_gather_object(obj, group=None) -> list:
     if not dist.is_initialized():
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def agreed_failure(failure: str | None, group=None) -> str | None:
+    """The failure of the first rank that has one (a one-line reason), on every rank; None if no rank failed. One
+    all-reduce, and a gather of the reasons only when there is one. Every rank calls it at the same point."""
+    failed = torch.tensor([failure is not None], dtype=torch.int32)
+    if dist.is_initialized():
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if not failed.item():
+        return None
+    return next(f for f in all_gather_object(failure, group) if f is not None)
+
+
+def fail_together(failure: str | None, group=None) -> None:
+    """Raises the first rank's failure as a UserError on every rank, so that no rank waits for one that left."""
+    agreed = agreed_failure(failure, group)
+    if agreed is not None:
+        raise UserError(agreed)
 
 
 def on_all_ranks(check) -> None:
@@ -198,18 +228,31 @@ def on_all_ranks(check) -> None:
 
 
 def on_every_rank(build):
-    """Runs `build` on every rank; a UserError on any rank is raised on all of them (what each rank built is closed),
-    so an error that only one rank meets (its share of the data) stops the job in one line, not in a hang."""
+    """Runs `build` (which must not communicate) on every rank; a UserError on any rank is raised on all of them
+    (what each rank built is closed), so an error that only one rank meets (its share of the data) stops the job in
+    one line, not in a hang."""
     try:
         result, error = build(), None
     except UserError as e:
         result, error = None, str(e)
-    errors = [e for e in all_gather_object(error) if e is not None]
-    if errors:
+    try:
+        fail_together(error)
+    except UserError:
         if hasattr(result, "close"):
             result.close()
-        raise UserError(errors[0])
+        raise
     return result
+
+
+_COLLECTIVE_ERRORS = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "pair closure")
+
+
+def collective_failure(error: BaseException) -> str | None:
+    """'timeout' or 'lost' if `error` is a collective that failed (gloo raises plain RuntimeErrors), else None."""
+    text = str(error)
+    if not (isinstance(error, dist.DistError) or any(marker in text for marker in _COLLECTIVE_ERRORS)):
+        return None
+    return "timeout" if "imed out" in text or "imeout" in text else "lost"
 
 
 def autocast(device: torch.device):
@@ -293,12 +336,24 @@ def stop_signals_held_for_the_main_thread(preemption: str):
     """Blocks the stop signals in this (main) thread while a run starts, so the threads it starts (the process
     group's, the data loader's) inherit the block and never receive them: a signal landing in a thread that waits
     in a socket call interrupts that call, which a collective may not survive. `StopSignal` unblocks them in the
-    main thread alone; one sent meanwhile waits until then. The mask is restored on exit."""
-    signals = {signal.SIGTERM, signal.SIGINT, signal.Signals[preemption]}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    main thread alone; a preemption signal or Ctrl-C sent meanwhile waits until then. SIGTERM, unless it is the
+    preemption signal, is not held back: a launcher stopping a start-up that hangs (torchrun before a restart)
+    ends it at once. A thread started for that alone receives it (its default action ends the process); once the
+    loop runs, the handler that `StopSignal` installs records it, in whichever thread it lands. The mask is
+    restored on exit."""
+    held = {signal.SIGINT, signal.Signals[preemption]}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    done = threading.Event()
+    receiver = threading.Thread(target=done.wait, name="sigterm-receiver", daemon=True)
+    if signal.SIGTERM not in held:
+        receiver.start()  # before SIGTERM is blocked here: the one thread that may receive it
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         yield
     finally:
+        done.set()
+        if receiver.is_alive():
+            receiver.join()
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
@@ -306,18 +361,20 @@ class StopSignal:
     """SIGTERM, the configured preemption signal (SIGUSR2: SLURM's warning before the time limit) and SIGINT
     (Ctrl-C) request a checkpoint and a clean stop. A second Ctrl-C interrupts at once, without saving.
 
-    A signal may reach only some ranks: `agreed()` combines every rank's flag (an all-reduce on the CPU, no device
-    sync), so all ranks stop after the same step."""
+    A signal may reach only some ranks, at any moment. `received` is this rank's own, set by the handler whenever
+    the signal lands; `agreed` is the one all ranks stop for, set only by `agree` from the value reduced over the
+    ranks, and every decision is taken from it. A signal that lands after this rank sent its flag is acted on after
+    the next step, on every rank. When ranks received different signals, the preemption signal wins (the job is
+    requeued), then SIGTERM, then the others."""
 
-    def __init__(self, preemption: str = "SIGUSR2"):
+    def __init__(self, preemption: str = "SIGUSR2", timeout_minutes: float = 30):
+        self.timeout = datetime.timedelta(minutes=timeout_minutes)
+        self.priority = [signal.Signals[preemption], signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT]
+        self.priority = list(dict.fromkeys(self.priority))  # the preemption signal may be SIGTERM
         self.signals = {signal.SIGTERM, signal.SIGINT, signal.Signals[preemption]}
         self.received: str | None = None
-        self.announced = False
+        self.agreed: str | None = None
         self.group = None
-
-    @property
-    def requested(self) -> bool:
-        return self.received is not None
 
     def __enter__(self):
         self.previous = {s: signal.signal(s, self._handle) for s in self.signals}
@@ -325,7 +382,8 @@ class StopSignal:
             signal.siginterrupt(s, False)  # restart the main thread's interrupted system calls
         signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)  # this thread alone receives them
         if dist.is_initialized():  # a CPU group, so agreeing never waits for the GPU stream
-            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+            self.group = dist.new_group(backend="gloo", timeout=self.timeout) \
+                if dist.get_backend() != "gloo" else dist.group.WORLD
         return self
 
     def __exit__(self, *exc):
@@ -339,21 +397,33 @@ class StopSignal:
             raise KeyboardInterrupt
         self.received = self.received or signal.Signals(signum).name
 
-    def agreed(self) -> bool:
-        """True on every rank once any rank received a stop signal; all ranks call this after every step."""
-        noticed = self.received
-        if self.group is not None:
-            codes = list(signal.Signals.__members__)
-            flag = torch.tensor([codes.index(self.received) + 1 if self.received else 0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            if flag.item() and not self.received:
-                self.received = codes[flag.item() - 1]
-        if self.received and not self.announced:
-            self.announced = True
-            source = "received" if noticed else "another rank received"
-            logger.warning(f"{source} {self.received}: saving a checkpoint and stopping"
-                           + (" (Ctrl-C again to stop without saving)" if self.received == "SIGINT" else ""))
-        return self.requested
+    def rank_of(self, name: str | None) -> int:
+        """The code sent for a received signal: larger for the signal that wins, 0 for none."""
+        return len(self.priority) - self.priority.index(signal.Signals[name]) if name else 0
+
+    def settle(self, code: int, sent: str | None) -> str | None:
+        """Takes the reduced code as the agreed signal, and says so once."""
+        if code and self.agreed is None:
+            self.agreed = self.priority[len(self.priority) - code].name
+            source = "received" if sent == self.agreed else "another rank received"
+            logger.warning(f"{source} {self.agreed}: saving a checkpoint and stopping"
+                           + (" (Ctrl-C again to stop without saving)" if self.agreed == "SIGINT" else ""))
+        return self.agreed
+
+
+def agree(stop: StopSignal, failure: str | None = None) -> str | None:
+    """What every rank does next, from one all-reduce over the ranks (on the CPU: no device sync) of [the stop
+    signal this rank received, whether it failed]: the first failing rank's reason is raised on every rank as a
+    UserError (its data file changed, its metrics could not be written); else the agreed stop signal is returned
+    (None: go on). Every rank calls it at the same points: before the first step and after every step."""
+    sent = stop.received  # read once: the handler may set it while the reduction runs
+    flags = torch.tensor([stop.rank_of(sent), failure is not None], dtype=torch.int32)
+    if stop.group is not None:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=stop.group)
+    code, failed = flags.tolist()
+    if failed:
+        fail_together(failure, stop.group)
+    return stop.settle(code, sent)
 
 
 def requeue_slurm_job(signal_name: str, args: DistributedArgs) -> bool:

@@ -1,5 +1,6 @@
 """Run metrics: one JSON line per logged step in DUMP_DIR/metrics.jsonl, readable progress lines, optional wandb."""
 
+import contextlib
 import json
 import logging
 import resource
@@ -76,6 +77,7 @@ class MetricLogger:
 
     def __init__(self, path: Path, resume_step: int, args: LoggingArgs, config: dict[str, Any], enabled: bool = True):
         self.path, self.file, self.wandb = path, None, None
+        self.failure: str | None = None  # why a record could not be written: the loop stops every rank with it
         if not enabled:
             return
         if path.exists():
@@ -89,16 +91,21 @@ class MetricLogger:
             self.wandb = wandb.init(project=args.wandb_project, config=config, dir=str(path.parent), resume="allow")
 
     def log(self, record: dict[str, Any]) -> None:
-        if self.file is None:
+        if self.file is None or self.failure is not None:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk or a lost mount: the other ranks must hear of it, not wait for this one
+            self.failure = f"cannot write {self.path}: {e.strerror or e}"
+            return
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])
 
     def close(self) -> None:
         if self.file is not None:
-            self.file.close()
+            with contextlib.suppress(OSError):  # the failed write is already reported
+                self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
 

@@ -55,13 +55,17 @@ from lingua.distributed import (
     Launch,
     RunLock,
     StopSignal,
+    agree,
+    agreed_failure,
     all_reduce,
     autocast,
     barrier,
     broadcast_object,
     build_model,
+    collective_failure,
     destroy_process_group,
     detect_launch,
+    fail_together,
     init_process_group,
     on_all_ranks,
     on_every_rank,
@@ -256,14 +260,36 @@ def train(app: App, args) -> dict[str, Any]:
         args.eval.max_len = min(args.eval.max_len or args.data.seq_len, args.model.encoder.max_seqlen)
     with stop_signals_held_for_the_main_thread(args.distributed.stop_signal):
         init_process_group(launch, device, args.distributed.timeout_minutes)
+        activity = Activity("the start-up")
         try:
             dump_dir = Path(args.dump_dir)
             on_all_ranks(lambda: _make_folder(dump_dir))
             with RunLock(dump_dir):
                 setup_logging(dump_dir / "train.log", launch.rank)
-                return _train(app, args, dump_dir, device, launch)
+                return _train(app, args, dump_dir, device, launch, activity)
+        except RuntimeError as e:
+            kind = collective_failure(e)
+            if kind is None:
+                raise
+            raise activity.failed(kind, launch.rank, args.distributed.timeout_minutes) from None
         finally:
             destroy_process_group()
+
+
+@dataclass
+class Activity:
+    """What this rank is doing, named in the error when a collective fails: the other ranks' logs tell why."""
+
+    now: str
+
+    def failed(self, kind: str, rank: int, timeout_minutes: float) -> UserError:
+        """The one line for a collective that timed out or lost a rank (`collective_failure`'s kind)."""
+        if kind == "timeout":
+            return UserError(f"rank {rank} waited more than {timeout_minutes:g} min for the other ranks during "
+                             f"{self.now}: one of them has stopped or hangs (see its log); the newest checkpoint "
+                             "is kept")
+        return UserError(f"rank {rank} lost contact with another rank during {self.now}: it stopped or failed (see "
+                         "its error); the newest checkpoint is kept")
 
 
 def _make_folder(folder: Path) -> None:
@@ -275,7 +301,8 @@ def _make_folder(folder: Path) -> None:
         raise UserError(f"cannot create dump_dir {folder}: {e.strerror}") from None
 
 
-def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch) -> dict[str, Any]:
+def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch,
+           activity: Activity) -> dict[str, Any]:
     rank, world_size = launch.rank, launch.world_size
     tokenizer = build_tokenizer(args.data.tokenizer)
     model = build_model(app.build_model, args.model, tokenizer, device, args.seed, (args.distributed, launch))
@@ -303,7 +330,8 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
 
     val_tokens = None
     if args.validation.every > 0:  # every rank holds all rows; `validate` splits each chunk over the ranks
-        val_tokens = app.data.load_validation(args.data, tokenizer, args.validation.n_sequences)
+        val_tokens = on_every_rank(lambda: app.data.load_validation(args.data, tokenizer,
+                                                                    args.validation.n_sequences))
     throughput = Throughput(model, args, math.prod(app.data.row_shape(args.data)), world_size, device)
     logger.info(
         f"{app.name}: {count_params(model):,} parameters ({count_params(model, embeddings=False):,} outside the "
@@ -320,13 +348,18 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
     with (
         on_every_rank(lambda: app.data.build_loader(args.data, tokenizer, rank, world_size, state["data"])) as loader,
         MetricLogger(dump_dir / "metrics.jsonl", state["step"], args.logging, params["config"], rank == 0) as metrics,
-        StopSignal(args.distributed.stop_signal) as stop,
+        StopSignal(args.distributed.stop_signal, args.distributed.timeout_minutes) as stop,
     ):
         if rank == 0 and step < args.steps:
             dump_config(args, dump_dir / "config.yaml")  # the start has succeeded: this is now the run's config
-        if state.get("evaluation_skipped"):  # the stop that saved this checkpoint skipped its evaluation
+        # Every decision all ranks must share comes from `agree` (one reduced value), never from local state.
+        activity.now = f"the agreement before step {step + 1}"
+        stopping = step < args.steps and agree(stop, loader.prepare(args.grad_acc_steps))
+        if state.get("evaluation_skipped") and not stopping:  # the stop that saved this checkpoint skipped it
+            activity.now = f"the evaluation at step {step}"
             evaluate(step, model, tokenizer, val_tokens, args, device, metrics, launch, guard)
-        while step < args.steps:
+        while step < args.steps and not stopping:
+            activity.now = f"step {step + 1}"
             lr = lr_at(step, args.optim, args.steps)
             set_lr(optimizer, lr)
             loss, stats, predicted, waited = train_step(model, loader, generator, args, device)
@@ -336,11 +369,15 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
             step += 1
             guard.update(step, loss, grad_norm)
             state["data_tokens"] += throughput.per_step["data_tokens"]
-            throughput.step(predicted, waited)
             window.add(loss=loss, grad_norm=grad_norm, **stats)
-            stopping = stop.agreed()
+            before = time.perf_counter()
+            failure = loader.prepare(args.grad_acc_steps) if step < args.steps else None  # the next step's data
+            throughput.step(predicted, waited + time.perf_counter() - before)
+            activity.now = f"the agreement after step {step}"
+            stopping = agree(stop, failure or metrics.failure)
 
             if step % args.logging.freq == 0 or step == args.steps:
+                activity.now = f"the log line of step {step}"
                 guard.check()
                 last = {"step": step, **window.means(), "lr": lr, **throughput.report(),
                         "data_tokens": state["data_tokens"],
@@ -352,22 +389,25 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch)
                 logger.info(format_progress(last, args.steps))
             pause = time.perf_counter()
             if not stopping:  # on a stop signal, save at once: the job may have little time left
+                activity.now = f"the evaluation at step {step}"
                 evaluate(step, model, tokenizer, val_tokens, args, device, metrics, launch, guard)
             if step % args.checkpoint.every == 0 or step == args.steps or stopping:
+                activity.now = f"saving checkpoint {step}"
                 guard.check_before_save(model, step)  # a non-finite state never becomes a checkpoint
                 state.update(step=step, data=loader.state_dict(), generator=generator.get_state().tolist(),
-                             evaluation_skipped=stopping)
+                             evaluation_skipped=bool(stopping))
                 checkpoints.save(step, model, optimizer, state, params)
             throughput.exclude(time.perf_counter() - pause)
-            if stopping:
-                break
+        activity.now = "the last agreement"
+        fail_together(metrics.failure)  # a record of the last step that could not be written
 
     if step == args.steps:
+        activity.now = "the export of consolidated.pt"
         export_consolidated(model, params, dump_dir / "consolidated.pt")
     summary = {"steps": step, "first_loss": first_loss, "final_loss": last.get("loss"),
                "data_tokens": state["data_tokens"], "seconds": round(time.perf_counter() - start, 1),
-               "stopped_by": stop.received,
-               "requeued": bool(stop.received) and requeue_slurm_job(stop.received, args.distributed)}
+               "stopped_by": stop.agreed,
+               "requeued": bool(stop.agreed) and requeue_slurm_job(stop.agreed, args.distributed)}
     logger.info("summary: " + " | ".join(f"{k} {v}" for k, v in summary.items()))
     return summary
 
@@ -395,10 +435,13 @@ def resume(checkpoints: CheckpointManager, model, optimizer, app: App, args, lau
             return None
         path = Path(choice)
         try:
-            states = checkpoints.load(path, model, optimizer)
+            states, damage = checkpoints.load(path, model, optimizer), None
         except DamagedCheckpoint as e:
+            states, damage = None, str(e)
+        damage = agreed_failure(damage)  # a file that one rank alone could not read is damaged for all of them
+        if damage is not None:
             if launch.rank == 0:
-                _set_aside(checkpoints, path, e)
+                _set_aside(checkpoints, path, DamagedCheckpoint(damage))
             barrier()
             continue
         logger.info(f"resumed from {path}")

@@ -1,14 +1,16 @@
 """Shared fixtures: a tiny JSONL corpus in the training layout and tiny training configs."""
 
+import contextlib
 import importlib.util
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
-import random
+import uuid
 from pathlib import Path
 
 import pytest
@@ -94,16 +96,63 @@ def load_setup_script(name: str):
     return module
 
 
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+TAG = "LINGUA_TEST_PROCESS_TAG"
+
+
+def start(cmd: list, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    """A command in its own session, its environment tagged so that `end` finds every process it started, also
+    those that left its session (torchrun starts each worker in a session of its own)."""
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**(env or ENV), TAG: tag}, text=True, start_new_session=True,
+                            **kwargs)
+    proc.tag = tag
+    return proc
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """The live processes that inherited `tag` from a command `start` ran."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if f"{TAG}={tag}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+    return found
+
+
+def end(proc: subprocess.Popen) -> None:
+    """Kills the command and every process it started, and waits until none is left."""
+    deadline = time.time() + 30
+    while (pids := tagged_processes(proc.tag)) and time.time() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    proc.wait()
+
+
+def run_to_the_end(cmd: list, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs a command to its end (or kills it and all it started after `timeout` seconds); its output."""
+    proc = start(cmd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        end(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def kill_after_first_checkpoint_then_restart(module: str, argv: list[str], dump_dir: Path) -> None:
     """Runs `python -m module argv`, SIGKILLs it once a checkpoint past step 5 is complete, then runs it again to
     the end."""
-    repo = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", module, *argv]
-    env = {**os.environ, "PYTHONPATH": str(repo)}
-    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and not list((dump_dir / "checkpoints").glob("00000000[1-9][05]")):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    subprocess.run(cmd, cwd=repo, env=env, check=True, capture_output=True)
+    cmd, env = [sys.executable, "-m", module, *argv], {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = start(cmd, env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not list((dump_dir / "checkpoints").glob("00000000[1-9][05]")):
+            time.sleep(0.2)
+    finally:
+        end(proc)
+    done = run_to_the_end(cmd, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]

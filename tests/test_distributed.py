@@ -1,10 +1,10 @@
 """Several processes on the CPU (gloo): torchrun launches of the real commands, FSDP2 equivalence, checkpoints
 across world sizes, preemption, the launch environment of SLURM, the data re-partition."""
 
-import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import read_metrics, tiny_argv
+from conftest import ENV, REPO, end, read_metrics, run_to_the_end, start, tagged_processes, tiny_argv
 
 from apps.bert.train import APP as BERT
 from lingua import train as loop
@@ -24,29 +24,9 @@ from lingua.data import DataArgs, TrainLoader, repartition
 from lingua.distributed import Launch, RunLock, detect_launch, first_host
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-
-
-def start(cmd: list, **kwargs) -> subprocess.Popen:
-    """A launcher in its own process group, so that a test that times out can end its workers too."""
-    return subprocess.Popen(cmd, cwd=REPO, env=ENV, text=True, start_new_session=True, **kwargs)
-
-
-def end(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def torchrun(*args, procs=2, check=True) -> subprocess.CompletedProcess:
+def torchrun(*args, procs=2, check=True, timeout=300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", *map(str, args)]
-    proc = start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        end(proc)
-    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    result = run_to_the_end(cmd, timeout)
     if check and result.returncode:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
@@ -202,6 +182,151 @@ def test_preemption_signal_to_one_rank_stops_all_at_one_step(corpus, tmp_path):
     step = int(saved[0].name)
     torchrun("-m", "apps.bert.train", *_train_argv(corpus, dump, step + 3, "validation.every=0"))
     assert max(read_metrics(dump)) == step + 3
+
+
+def _workers(proc: subprocess.Popen, module: bytes = b"apps.bert.train") -> dict[int, int]:
+    """Rank -> pid of the training workers that the torchrun `proc` runs now."""
+    workers = {}
+    for pid in tagged_processes(proc.tag):
+        try:
+            cmdline, environ = (Path(f"/proc/{pid}/{name}").read_bytes() for name in ("cmdline", "environ"))
+        except OSError:
+            continue
+        env = dict(item.split(b"=", 1) for item in environ.split(b"\0") if b"=" in item)
+        if pid != proc.pid and module in cmdline and b"RANK" in env:
+            workers[int(env[b"RANK"])] = pid
+    return workers
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def _wait_for(condition, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and not condition():
+        time.sleep(0.1)
+    assert condition(), "timed out"
+
+
+def _saved_together(dump: Path) -> int:
+    """The step of the one complete checkpoint, which both ranks saved at the same step."""
+    saved = CheckpointManager(dump / "checkpoints", CheckpointArgs()).complete_checkpoints()
+    assert len(saved) == 1 and len(list(saved[0].glob("train_state_*.json"))) == 2
+    states = [json.loads(p.read_text()) for p in sorted(saved[0].glob("train_state_*.json"))]
+    assert states[0]["step"] == states[1]["step"] == int(saved[0].name)
+    return int(saved[0].name)
+
+
+def test_a_signal_inside_the_stop_agreement_stops_every_rank_after_the_next_step(corpus, tmp_path):
+    """Rank 1 receives SIGUSR2 after step 3's agreement was reduced and before its result is used: rank 0 never
+    heard of it then, so no rank stops at step 3; both stop after step 4, together."""
+    dump = tmp_path / "run"
+    result = torchrun("tests/signal_in_agreement.py", 3, "apps.bert.train",
+                      *_train_argv(corpus, dump, 100_000, "logging.freq=1000", "validation.every=0",
+                                   "checkpoint.every=1000", "distributed.timeout_minutes=0.5"), check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _saved_together(dump) == 4
+    assert "[rank 1] received SIGUSR2" in result.stdout and "another rank received SIGUSR2" in result.stdout
+
+
+def test_a_rank_that_stops_responding_ends_the_job_in_one_line_within_the_timeout(corpus, tmp_path):
+    dump = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "apps.bert.train",
+           *_train_argv(corpus, dump, 100_000, "checkpoint.every=1000", "distributed.timeout_minutes=0.25")]
+    proc = start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for(lambda: (dump / "metrics.jsonl").exists() and len(_workers(proc)) == 2)
+        rank0, rank1 = _workers(proc)[0], _workers(proc)[1]
+        os.kill(rank0, signal.SIGSTOP)
+        stopped = time.time()
+        _wait_for(lambda: not _alive(rank1), timeout=60)
+        waited = time.time() - stopped
+        os.kill(rank0, signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        end(proc)
+    assert proc.returncode != 0
+    assert 15 <= waited < 15 + 20  # the timeout, and the time to notice it
+    assert err.count("error: rank 1 waited more than 0.25 min for the other ranks during ") == 1, err[-3000:]
+    assert "]: Traceback" not in err
+
+
+def test_a_data_file_that_shrinks_under_a_run_stops_every_rank_in_one_line(corpus, tmp_path):
+    dump = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "apps.bert.train",
+           *_train_argv(corpus, dump, 100_000, "checkpoint.every=1000", "distributed.timeout_minutes=0.5")]
+    proc = start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    chunk = corpus / "tiny" / "train.00001.jsonl"  # rank 1's share (most of it)
+    try:
+        _wait_for(lambda: (dump / "metrics.jsonl").exists())
+        os.truncate(chunk, chunk.stat().st_size // 2)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        end(proc)
+    assert proc.returncode != 0
+    assert err.count(f"error: data file {chunk} ") == 2, err[-3000:]  # the same line on both ranks
+    assert "under the running job" in err and "]: Traceback" not in err
+
+
+def test_an_elastic_restart_continues_from_the_newest_checkpoint(corpus, tmp_path):
+    """torchrun --max-restarts: a worker killed mid-run is restarted with the other, and the run resumes by itself
+    with the losses of an uninterrupted run."""
+    reference, restarted = tmp_path / "reference", tmp_path / "restarted"
+    torchrun("-m", "apps.bert.train", *_train_argv(corpus, reference, 60, "checkpoint.every=5"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "-m", "apps.bert.train", *_train_argv(corpus, restarted, 60, "checkpoint.every=5")]
+    proc = start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for(lambda: list((restarted / "checkpoints").glob("00000000[1-9][05]")) and len(_workers(proc)) == 2)
+        os.kill(_workers(proc)[1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        end(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed from" in (restarted / "train.log").read_text()
+    expected, got = read_metrics(reference), read_metrics(restarted)
+    assert sorted(got) == list(range(1, 61))
+    assert all(got[s]["loss"] == expected[s]["loss"] for s in got)
+
+
+def test_sigterm_ends_a_start_up_that_waits_for_the_other_ranks(corpus, tmp_path):
+    """A worker whose other ranks never come (a launcher restarting the job) stops on SIGTERM at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**ENV, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    proc = start([sys.executable, "-m", "apps.bert.train", *_train_argv(corpus, tmp_path / "run", 10)], env,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        sigint = 1 << (signal.SIGINT - 1)  # the start-up holds the stop signals back from this point
+        _wait_for(lambda: any(line.startswith("SigBlk:") and int(line.split()[1], 16) & sigint
+                              for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()))
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+    finally:
+        end(proc)
+    assert proc.returncode == -signal.SIGTERM
+
+
+def test_a_torchrun_that_times_out_leaves_no_worker(corpus, tmp_path):
+    dump = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "apps.bert.train",
+           *_train_argv(corpus, dump, 100_000, "checkpoint.every=1000")]
+    proc = start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: (dump / "metrics.jsonl").exists() and len(_workers(proc)) == 2)
+        workers = list(_workers(proc).values())
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.communicate(timeout=1)  # as a test that runs too long
+    finally:
+        end(proc)
+    assert not any(_alive(pid) for pid in workers) and tagged_processes(proc.tag) == []
 
 
 def _training_children(pid: int) -> list[int]:
