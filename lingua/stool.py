@@ -31,6 +31,7 @@ import json
 import pickle
 import shlex
 import shutil
+import signal
 import sys
 from dataclasses import dataclass
 from importlib import import_module
@@ -250,9 +251,34 @@ def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
         wave = [(run, _submit_one(executor, run)) for run in runs[start:start + args.parallel]]
         for run, job in wave:
             _record(run, job)
-        for run, job in wave:
+        with _cancelled_when_interrupted([job for _, job in wave]):
+            for run, job in wave:
+                job.wait()
+                print(f"{run.name}: {describe(run.dump_dir)['state']}")
+
+
+class _Terminated(Exception):
+    """SIGTERM to a waiting stool."""
+
+
+@contextlib.contextmanager
+def _cancelled_when_interrupted(jobs: list):
+    """submitit's local jobs outlive the process that started them: if stool is stopped while it waits (Ctrl-C,
+    SIGTERM), it cancels them (a checkpoint is saved when there is time) and waits until their processes are gone."""
+    def terminate(signum, frame):
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    except (KeyboardInterrupt, _Terminated):
+        for job in jobs:
+            job.cancel()
+        for job in jobs:
             job.wait()
-            print(f"{run.name}: {describe(run.dump_dir)['state']}")
+        raise UserError(f"stopped: {len(jobs)} local job(s) cancelled; the same command resumes them") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _submit_one(executor, run: PlannedRun):

@@ -220,3 +220,43 @@ def test_validation_is_fixed_weighted_and_rank_disjoint(tmp_path):
     assert ranks[1][:3].flatten().tolist() == a_stream[24:48]
     with pytest.raises(UserError, match="valid.jsonl"):
         load_validation(args, TOK, 400)
+
+
+def _shrink(path):
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def _replace(path):
+    replacement = path.with_name("new.tmp")
+    replacement.write_bytes(path.read_bytes())
+    replacement.replace(path)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("change, message", [
+    (_shrink, "shrank under the running job"),
+    (lambda path: path.unlink(), "vanished under the running job"),
+    (_replace, "was replaced or changed under the running job"),
+])
+def test_a_file_that_changes_under_the_loader_is_one_line_not_a_loop(tmp_path, prefetch, change, message):
+    """A chunk truncated while it is read, removed or replaced: `prepare` says so (the loop agrees on it over the
+    ranks before the next step) and `next` raises it, within one pass over the data; nothing loops on empty reads."""
+    docs = [f"doc{i}-" + "y" * 500 for i in range(40)]  # chunks larger than a read buffer
+    write_source(tmp_path, "a", [docs[:20], docs[20:]])
+    args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=16, batch_size=2, prefetch=prefetch)
+    chunk = tmp_path / "a" / "train.00000.jsonl"
+    with build_train_loader(args, TOK, 0, 1) as loader:
+        assert loader.prepare(3) is None
+        take(loader, 3)  # reading chunk 0, which stays open
+        change(chunk)
+        failure = None
+        for _ in range(2 * 21_000 // 32):  # one pass over the data, in batches of 32 tokens
+            failure = loader.prepare(1)
+            if failure:
+                break
+            next(loader)
+        with pytest.raises(UserError) as error:
+            take(loader, 10)
+    assert failure.startswith(f"data file {chunk} {message}") and "\n" not in failure
+    assert str(error.value) == failure

@@ -1,6 +1,7 @@
 """Faults a run meets on a real machine or cluster: each ends in one line or an automatic recovery, and nothing that
 was saved is lost. The commands run in-process through `main`, as the command line runs them."""
 
+import errno
 import json
 import math
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, tiny_argv
+from conftest import end, read_metrics, start, tiny_argv
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
@@ -24,7 +25,6 @@ from lingua.checkpoint import load_model
 from lingua.distributed import RunLock
 from lingua.optim import lr_at
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def run_main(argv, capsys, app=BERT) -> tuple[int, str]:
@@ -87,9 +87,8 @@ def test_a_second_trainer_on_a_live_dump_dir_is_refused(corpus, tmp_path, capsys
 def test_a_killed_trainer_leaves_no_stuck_lock(corpus, tmp_path, capsys):
     dump = tmp_path / "run"
     argv = tiny_argv(corpus, dump, steps=100_000) + ["checkpoint.every=5"]
-    proc = subprocess.Popen([sys.executable, "-m", "apps.bert.train", *argv], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = start([sys.executable, "-m", "apps.bert.train", *argv], stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
     checkpoints = loop.CheckpointManager(dump / "checkpoints", loop.CheckpointArgs())
     try:
         deadline = time.time() + 120
@@ -98,8 +97,7 @@ def test_a_killed_trainer_leaves_no_stuck_lock(corpus, tmp_path, capsys):
         status, err = run_main(tiny_argv(corpus, dump, steps=100_000), capsys)
         assert status == 2 and f"pid {proc.pid}" in err
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        end(proc)
     resumed_at = int(checkpoints.latest().name)
     status, _ = run_main(tiny_argv(corpus, dump, steps=resumed_at + 2) + ["checkpoint.every=5"], capsys)
     assert status == 0 and max(read_metrics(dump)) == resumed_at + 2
@@ -397,6 +395,57 @@ def test_a_failed_save_says_why_and_keeps_the_previous_checkpoint(corpus, tmp_pa
     assert_one_line(err, "could not save checkpoint")
     assert "0000000020: the disk is full (0 bytes free); the previous checkpoint is kept" in err
     assert checkpoint_names(dump) == ["0000000010"]
+
+
+def test_a_data_file_truncated_during_a_run_stops_it_in_one_line(corpus, tmp_path, capsys, monkeypatch):
+    dump, chunk = tmp_path / "run", corpus / "tiny" / "train.00000.jsonl"
+    original, calls = loop.clip_gradients, []
+
+    def clip_then_truncate(model, max_norm):  # during step 12, after the checkpoint of step 10 (the loader reads
+        # ahead: it meets the cut a few steps later)
+        calls.append(1)
+        if len(calls) == 12:
+            os.truncate(chunk, chunk.stat().st_size // 3)
+        return original(model, max_norm)
+
+    monkeypatch.setattr(loop, "clip_gradients", clip_then_truncate)
+    status, err = run_main(tiny_argv(corpus, dump, steps=100_000) + ["checkpoint.every=10"], capsys)
+    assert status == 2
+    assert_one_line(err, f"data file {chunk} ")
+    assert "under the running job" in err and "0000000010" in checkpoint_names(dump)
+
+
+def test_metrics_that_cannot_be_written_stop_the_run_in_one_line(corpus, tmp_path, capsys, monkeypatch):
+    class FullDisk:
+        """metrics.jsonl on a disk that fills up after three records."""
+
+        def __init__(self, file):
+            self.file, self.writes = file, 0
+
+        def write(self, text):
+            self.writes += 1
+            if self.writes > 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.file.write(text)
+
+        def flush(self):
+            self.file.flush()
+
+        def close(self):
+            self.file.close()
+
+    init = loop.MetricLogger.__init__
+
+    def init_on_a_full_disk(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.file = FullDisk(self.file)
+
+    monkeypatch.setattr(loop.MetricLogger, "__init__", init_on_a_full_disk)
+    dump = tmp_path / "run"
+    status, err = run_main(tiny_argv(corpus, dump, steps=40), capsys)
+    assert status == 2
+    assert_one_line(err, f"cannot write {dump / 'metrics.jsonl'}: No space left on device")
+    assert sorted(read_metrics(dump)) == [1, 2, 3] and not (dump / "consolidated.pt").exists()
 
 
 def _mount_tmpfs(path: Path, size: str) -> bool:

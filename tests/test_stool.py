@@ -3,8 +3,10 @@
 import json
 import pickle
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import yaml
 from apps.bert.train import BertTrainArgs
 from lingua import stool
 from lingua.args import UserError, load_config
-from tests.conftest import tiny_argv
+from tests.conftest import end, start, tagged_processes, tiny_argv
 
 
 def write_sweep(tmp_path, corpus, **extra) -> Path:
@@ -111,6 +113,27 @@ def test_local_sweep_runs_end_to_end_and_status_reads_it(tmp_path, corpus, capsy
     stool.main(["status", str(root)])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[:3] for line in lines[1:]] == [["lr0.001", "finished", "4"], ["lr0.003", "finished", "4"]]
+
+
+def test_a_stopped_local_sweep_leaves_no_job_running(tmp_path, corpus):
+    """submitit's local jobs outlive the stool that started them: a SIGTERM to stool cancels them."""
+    overrides = dict(arg.split("=", 1) for arg in tiny_argv(corpus, tmp_path / "unused", 100_000)[1:])
+    sweep = write_sweep(tmp_path, corpus, overrides=overrides, launcher={"cluster": "local", "parallel": 2})
+    proc = start([sys.executable, "-m", "lingua.stool", "sweep", f"sweep={sweep}"], stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        runs = [tmp_path / "sweep" / name / "metrics.jsonl" for name in ("lr0.001", "lr0.003")]
+        while time.time() < deadline and not all(path.exists() for path in runs):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        left = [pid for pid in tagged_processes(proc.tag) if pid != proc.pid]
+    finally:
+        end(proc)
+    assert all(path.exists() for path in runs)
+    assert proc.returncode == 2 and "error: stopped: 2 local job(s) cancelled" in err, err
+    assert left == []
 
 
 def test_status_tells_failed_missing_and_pending_runs(tmp_path, capsys):
