@@ -237,9 +237,7 @@ class TrainLoader:
     """Endless iterator of LongTensor [batch_size, seq_len]; state_dict() is the position after the last batch returned.
 
     With prefetch > 0 a daemon thread runs up to `prefetch` batches ahead; each queued batch carries a snapshot of
-    the state right after it, so prefetched but unconsumed batches are not lost on resume. `prepare(n)` fetches the
-    next step's batches before the step, so that the ranks agree on a data failure before any of them starts a
-    step it could not finish.
+    the state right after it, so prefetched but unconsumed batches are not lost on resume.
     """
 
     def __init__(self, args: DataArgs, tokenizer, rank: int, world_size: int, state: dict[str, Any] | None = None):
@@ -253,7 +251,6 @@ class TrainLoader:
         if state is not None:
             self._load_state_dict(state)
         self._state = self._snapshot()
-        self._ready: collections.deque = collections.deque()  # (batch, state) fetched by `prepare`
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._queue: queue.Queue = queue.Queue(maxsize=max(args.prefetch, 1))
@@ -300,38 +297,19 @@ class TrainLoader:
         return self
 
     def __next__(self) -> torch.Tensor:
-        batch, state = self._ready.popleft() if self._ready else self._fetch()
-        self._state = state
-        return batch
-
-    def _fetch(self) -> tuple[torch.Tensor, dict[str, Any]]:
         if self._error is not None:
             raise self._error
         if self._stop.is_set():
             raise RuntimeError("data loader is closed")
-        try:
-            if self._thread is None:
-                return self._next_batch(), self._snapshot()
+        if self._thread is None:
+            batch, state = self._next_batch(), self._snapshot()
+        else:
             batch, state = self._queue.get()
-        except BaseException as e:
-            self._error = e
-            raise
-        if batch is None:
-            self._error = state
-            raise state
-        return batch, state
-
-    def prepare(self, n: int) -> str | None:
-        """Fetches batches until the next n are at hand, waiting for them; returns why they cannot be had (a data
-        file that changed under the run, a read error), or None. The next n `next()` return them."""
-        try:
-            while len(self._ready) < n:
-                self._ready.append(self._fetch())
-        except UserError as e:
-            return str(e)
-        except OSError as e:
-            return f"cannot read the training data: {e.strerror or e}{f': {e.filename}' if e.filename else ''}"
-        return None
+            if batch is None:
+                self._error = state
+                raise state
+        self._state = state
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(self._state))  # a deep copy, and proof that it is plain JSON
@@ -347,6 +325,53 @@ class TrainLoader:
             self._thread.join()
         for stream in self.streams:
             stream.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ReadAhead:
+    """Any app's loader (the `DataPipeline` contract), able to fetch the next step's batches before the step:
+    `prepare(n)` says why they cannot be had, so that the ranks agree on a data failure (a file that changed under
+    the run) before any of them starts a step it could not finish. `state_dict` and `malformed_lines` are those
+    after the last batch `next` returned."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.ready: collections.deque = collections.deque()  # (batch, state after it, malformed lines after it)
+        self.state, self.malformed_lines = loader.state_dict(), loader.malformed_lines
+        self.failure: str | None = None
+
+    def prepare(self, n: int) -> str | None:
+        """Fetches batches until the next n are at hand, waiting for them; returns why they cannot be (one line),
+        or None."""
+        try:
+            while self.failure is None and len(self.ready) < n:
+                batch = next(self.loader)
+                self.ready.append((batch, self.loader.state_dict(), self.loader.malformed_lines))
+        except UserError as e:
+            self.failure = str(e)
+        except OSError as e:
+            self.failure = f"cannot read the training data: {e.strerror or e}{f': {e.filename}' if e.filename else ''}"
+        return self.failure if len(self.ready) < n else None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if not self.ready and self.prepare(1):
+            raise UserError(self.failure)
+        batch, self.state, self.malformed_lines = self.ready.popleft()
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def close(self) -> None:
+        self.loader.close()
 
     def __enter__(self):
         return self

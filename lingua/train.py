@@ -49,7 +49,7 @@ from lingua.checkpoint import (
     shape_mismatches,
     verify,
 )
-from lingua.data import DataArgs
+from lingua.data import DataArgs, ReadAhead
 from lingua.distributed import (
     DistributedArgs,
     Launch,
@@ -346,7 +346,8 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch,
     window, guard = Window(), NonFiniteGuard(device, checkpoints)
     start = time.perf_counter()
     with (
-        on_every_rank(lambda: app.data.build_loader(args.data, tokenizer, rank, world_size, state["data"])) as loader,
+        on_every_rank(lambda: ReadAhead(app.data.build_loader(args.data, tokenizer, rank, world_size,
+                                                              state["data"]))) as loader,
         MetricLogger(dump_dir / "metrics.jsonl", state["step"], args.logging, params["config"], rank == 0) as metrics,
         StopSignal(args.distributed.stop_signal, args.distributed.timeout_minutes) as stop,
     ):

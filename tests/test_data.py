@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lingua.args import UserError
-from lingua.data import DataArgs, build_train_loader, load_validation
+from lingua.data import DataArgs, ReadAhead, build_train_loader, load_validation
 from lingua.tokenizer import BytesTokenizer, TokenizerArgs, build_tokenizer
 
 BOS, EOS = 256, 257  # <s> and </s> of the "bytes" tokenizer, whose other ids are the UTF-8 bytes
@@ -246,7 +246,7 @@ def test_a_file_that_changes_under_the_loader_is_one_line_not_a_loop(tmp_path, p
     write_source(tmp_path, "a", [docs[:20], docs[20:]])
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=16, batch_size=2, prefetch=prefetch)
     chunk = tmp_path / "a" / "train.00000.jsonl"
-    with build_train_loader(args, TOK, 0, 1) as loader:
+    with ReadAhead(build_train_loader(args, TOK, 0, 1)) as loader:
         assert loader.prepare(3) is None
         take(loader, 3)  # reading chunk 0, which stays open
         change(chunk)

@@ -212,6 +212,19 @@ def _wait_for(condition, timeout: float = 120) -> None:
     assert condition(), "timed out"
 
 
+def _start_training(corpus: Path, dump: Path, *extra: str, output=subprocess.PIPE) -> subprocess.Popen:
+    """A long two-rank BERT run under torchrun, in the background; returns once both workers train."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "apps.bert.train",
+           *_train_argv(corpus, dump, 100_000, "checkpoint.every=1000", *extra)]
+    proc = start(cmd, stdout=output, stderr=output)
+    try:
+        _wait_for(lambda: (dump / "metrics.jsonl").exists() and len(_workers(proc)) == 2)
+    except BaseException:
+        end(proc)
+        raise
+    return proc
+
+
 def _saved_together(dump: Path) -> int:
     """The step of the one complete checkpoint, which both ranks saved at the same step."""
     saved = CheckpointManager(dump / "checkpoints", CheckpointArgs()).complete_checkpoints()
@@ -234,12 +247,8 @@ def test_a_signal_inside_the_stop_agreement_stops_every_rank_after_the_next_step
 
 
 def test_a_rank_that_stops_responding_ends_the_job_in_one_line_within_the_timeout(corpus, tmp_path):
-    dump = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "apps.bert.train",
-           *_train_argv(corpus, dump, 100_000, "checkpoint.every=1000", "distributed.timeout_minutes=0.25")]
-    proc = start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = _start_training(corpus, tmp_path / "run", "distributed.timeout_minutes=0.25")
     try:
-        _wait_for(lambda: (dump / "metrics.jsonl").exists() and len(_workers(proc)) == 2)
         rank0, rank1 = _workers(proc)[0], _workers(proc)[1]
         os.kill(rank0, signal.SIGSTOP)
         stopped = time.time()
@@ -256,13 +265,9 @@ def test_a_rank_that_stops_responding_ends_the_job_in_one_line_within_the_timeou
 
 
 def test_a_data_file_that_shrinks_under_a_run_stops_every_rank_in_one_line(corpus, tmp_path):
-    dump = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "apps.bert.train",
-           *_train_argv(corpus, dump, 100_000, "checkpoint.every=1000", "distributed.timeout_minutes=0.5")]
-    proc = start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = _start_training(corpus, tmp_path / "run", "distributed.timeout_minutes=0.5")
     chunk = corpus / "tiny" / "train.00001.jsonl"  # rank 1's share (most of it)
     try:
-        _wait_for(lambda: (dump / "metrics.jsonl").exists())
         os.truncate(chunk, chunk.stat().st_size // 2)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -315,12 +320,8 @@ def test_sigterm_ends_a_start_up_that_waits_for_the_other_ranks(corpus, tmp_path
 
 
 def test_a_torchrun_that_times_out_leaves_no_worker(corpus, tmp_path):
-    dump = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "apps.bert.train",
-           *_train_argv(corpus, dump, 100_000, "checkpoint.every=1000")]
-    proc = start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _start_training(corpus, tmp_path / "run", output=subprocess.DEVNULL)
     try:
-        _wait_for(lambda: (dump / "metrics.jsonl").exists() and len(_workers(proc)) == 2)
         workers = list(_workers(proc).values())
         with pytest.raises(subprocess.TimeoutExpired):
             proc.communicate(timeout=1)  # as a test that runs too long
