@@ -27,7 +27,9 @@ import yaml
 
 from lingua.app import app_variant
 from lingua.args import UserError, at_least, command_line, load_config, require, to_dict
-from lingua.distributed import DistributedArgs, Launch, autocast, build_model, resolve_device
+from lingua.app import build_model
+from lingua.distributed import DistributedArgs, Launch, resolve_device
+from lingua.parallel import autocast
 from lingua.files import atomic_write
 from lingua.flops import encoder_flops_per_token
 from lingua.masking import masked_positions, num_masked

@@ -19,7 +19,7 @@ import torch
 
 from lingua.app import app_variant
 from lingua.args import at_least, command_line, load_config, require, to_dict
-from lingua.distributed import build_model
+from lingua.app import build_model
 from lingua.files import atomic_write
 from lingua.metrics import setup_logging
 from lingua.optim import OptimArgs, build_optimizer, lr_at, set_lr

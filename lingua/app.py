@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from lingua.args import UserError, load_config
-from lingua.checkpoint import load_weights
 from lingua.data import build_train_loader, load_validation, repartition
+from lingua.distributed import DistributedArgs, Launch
+from lingua.parallel import parallelize
 
 
 class EncoderModel(Protocol):
@@ -93,7 +94,8 @@ class App:
     build_model: Callable[[Any, Any], EncoderModel]  # (model args, tokenizer) -> model, called on the meta device
     data: DataPipeline = TEXT  # packed rows of the text corpus (lingua/data.py)
     configure: Callable[[Any], None] | None = None  # adjusts the config in place before the run (e.g. from init_from)
-    load_init: Callable[[str, Any], dict] = load_weights  # (init_from path, model) -> the config it was trained with
+    load_init: Callable[[str, Any], dict] | None = None  # (init_from path, model) -> the config it was trained
+    # with; default: the checkpoint's weights into the model as they are (lingua.checkpoint.load_weights)
 
     @property
     def model_args_cls(self) -> type:
@@ -115,3 +117,18 @@ def app_variant(label: str, base: dict[str, Any]) -> tuple[App, Any]:
     name, *overrides = label.split("+")
     app = load_app(name.strip())
     return app, load_config(app.model_args_cls, overrides, base=base)
+
+
+def build_model(build_fn, model_args, tokenizer, device: torch.device, seed: int = 0,
+                parallel: tuple[DistributedArgs, Launch] | None = None) -> nn.Module:
+    """The one way models are built, for training and for loading: on the meta device (no memory), parallelised
+    when asked (`parallel`), materialised on `device`, then initialised from `seed` (`init_weights`)."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = build_fn(model_args, tokenizer)
+    if parallel is not None:
+        parallelize(model, model.sharding_units(), *parallel, device)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()
+    return model

@@ -43,7 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lingua.args import UserError, at_least, from_dict
-from lingua.distributed import all_reduce, build_model, fail_together, on_all_ranks, rank_and_world
+from lingua.app import build_model
+from lingua.distributed import all_reduce, fail_together, on_all_ranks, rank_and_world
 from lingua.files import atomic_write
 
 logger = logging.getLogger(__name__)

@@ -44,24 +44,21 @@ from lingua.checkpoint import (
     CheckpointManager,
     DamagedCheckpoint,
     export_consolidated,
+    load_weights,
     parameters_finite,
     saved_shapes,
     shape_mismatches,
     verify,
 )
 from lingua.data import DataArgs, ReadAhead
+from lingua.app import build_model
 from lingua.distributed import (
     DistributedArgs,
     Launch,
-    RunLock,
-    StopSignal,
-    agree,
     agreed_failure,
     all_reduce,
-    autocast,
     barrier,
     broadcast_object,
-    build_model,
     collective_failure,
     destroy_process_group,
     detect_launch,
@@ -70,11 +67,10 @@ from lingua.distributed import (
     on_all_ranks,
     on_every_rank,
     rank_and_world,
-    requeue_slurm_job,
     resolve_device,
-    set_gradient_sync,
-    stop_signals_held_for_the_main_thread,
 )
+from lingua.lifecycle import RunLock, StopSignal, agree, requeue_slurm_job, stop_signals_held_for_the_main_thread
+from lingua.parallel import autocast, set_gradient_sync
 from lingua.files import remove_partial_writes
 from lingua.flops import count_params
 from lingua.eval.glue import GlueEvalArgs, check_args, run_glue_probes
@@ -320,7 +316,7 @@ def _train(app: App, args, dump_dir: Path, device: torch.device, launch: Launch,
     if state is None:
         state = {"step": 0, "data": None, "data_tokens": 0}
         if args.init_from:
-            changed = architecture_changes(app.load_init(args.init_from, model), args)
+            changed = architecture_changes((app.load_init or load_weights)(args.init_from, model), args)
             if changed:
                 raise UserError(f"init_from {args.init_from} is a model of another architecture ({', '.join(changed)})")
             logger.info(f"initialised the model from {args.init_from} (weights only: step, optimizer and data start "

@@ -16,15 +16,9 @@ import torch
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
 from lingua.args import load_config
-from lingua.distributed import (
-    DistributedArgs,
-    all_reduce,
-    build_model,
-    destroy_process_group,
-    detect_launch,
-    init_process_group,
-    set_gradient_sync,
-)
+from lingua.app import build_model
+from lingua.distributed import DistributedArgs, all_reduce, destroy_process_group, detect_launch, init_process_group
+from lingua.parallel import set_gradient_sync
 from lingua.optim import OptimArgs, build_optimizer
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.train import clip_gradients

@@ -9,7 +9,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from lingua.app import load_app
 from lingua.args import load_config
-from lingua.distributed import build_model
+from lingua.app import build_model
 
 VOCAB = 64
 TINY = ["encoder.dim=32", "encoder.n_layers=2", "encoder.n_heads=4", "encoder.max_seqlen=32", "encoder.head_chunk=16"]

@@ -21,7 +21,8 @@ from lingua import train as loop
 from lingua.args import load_config
 from lingua.checkpoint import CheckpointArgs, CheckpointManager, load_model
 from lingua.data import DataArgs, TrainLoader, repartition
-from lingua.distributed import Launch, RunLock, detect_launch, first_host
+from lingua.distributed import Launch, detect_launch, first_host
+from lingua.lifecycle import RunLock
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 
 def torchrun(*args, procs=2, check=True, timeout=300) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from lingua import checkpoint as checkpoint_module
 from lingua import train as loop
 from lingua.args import load_config
 from lingua.checkpoint import load_model
-from lingua.distributed import RunLock
+from lingua.lifecycle import RunLock
 from lingua.optim import lr_at
 
 

@@ -13,7 +13,7 @@ from apps.crossbert.inspect import attention_weights, inspect, main
 from apps.crossbert.model import CrossBertArgs, PredictorArgs, build_crossbert
 from apps.crossbert.train import APP as CROSSBERT
 from lingua.args import load_config
-from lingua.distributed import build_model
+from lingua.app import build_model
 from lingua.train import train
 from lingua.transformer import TransformerArgs
 from tests.conftest import tiny_argv, write_corpus
