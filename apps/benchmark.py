@@ -35,7 +35,7 @@ from lingua.flops import encoder_flops_per_token
 from lingua.masking import masked_positions, num_masked
 from lingua.metrics import LoggingArgs, peak_flops, setup_logging
 from lingua.optim import OptimArgs, build_optimizer
-from lingua.train import clip_gradients
+from lingua.step import training_step
 from lingua.transformer import TransformerArgs, ffn_hidden_dim
 
 logger = logging.getLogger(__name__)
@@ -197,12 +197,7 @@ def step(contender: Contender, args: BenchmarkArgs, device: torch.device, synchr
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     batch = contender.model.make_batch(tokens, contender.generator)
-    with precision(args.dtype, device):
-        loss, _ = contender.model(**batch)
-    loss.backward()
-    clip_gradients(contender.model, 1.0)
-    contender.optimizer.step()
-    contender.optimizer.zero_grad(set_to_none=True)
+    training_step(contender.model, contender.optimizer, [batch], OptimArgs().clip, lambda: precision(args.dtype, device))
     if synchronise:
         torch.cuda.synchronize(device)
     return time.perf_counter() - start

@@ -23,7 +23,7 @@ from lingua.app import build_model
 from lingua.files import atomic_write
 from lingua.metrics import setup_logging
 from lingua.optim import OptimArgs, build_optimizer, lr_at, set_lr
-from lingua.train import clip_gradients
+from lingua.step import training_step
 from lingua.transformer import TransformerArgs
 
 logger = logging.getLogger(__name__)
@@ -81,11 +81,7 @@ def learning_curve(label: str, args: DiagnoseArgs) -> list[float]:
     for step in range(args.steps):
         set_lr(optimizer, lr_at(step, args.optim, args.steps))
         tokens = make_sequences(args.task, args.period, args.batch_size, args.seq_len, data)
-        loss, _ = model(**model.make_batch(tokens, masking))
-        loss.backward()
-        clip_gradients(model, args.optim.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        training_step(model, optimizer, [model.make_batch(tokens, masking)], args.optim.clip)
         if (step + 1) % args.every == 0:
             curve.append(accuracy(model, held_out, args.seed))
             logger.info(f"{label}: step {step + 1} accuracy {curve[-1]:.3f}")

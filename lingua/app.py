@@ -93,7 +93,7 @@ class App:
     args_cls: type  # a TrainArgs subclass with a `model` field
     build_model: Callable[[Any, Any], EncoderModel]  # (model args, tokenizer) -> model, called on the meta device
     data: DataPipeline = TEXT  # packed rows of the text corpus (lingua/data.py)
-    configure: Callable[[Any], None] | None = None  # adjusts the config in place before the run (e.g. from init_from)
+    configure: Callable[[Any], Any] | None = None  # the config adjusted before the run (e.g. from init_from)
     load_init: Callable[[str, Any], dict] | None = None  # (init_from path, model) -> the config it was trained
     # with; default: the checkpoint's weights into the model as they are (lingua.checkpoint.load_weights)
 

@@ -5,6 +5,7 @@ import json
 import logging
 import resource
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from lingua.args import at_least, require
+from lingua.distributed import all_reduce, rank_and_world
 from lingua.files import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -149,3 +151,78 @@ def format_progress(record: dict[str, Any], total_steps: int) -> str:
         if key in record:
             parts.append(fmt.format(record[key]) if record[key] is not None else fmt.split()[0] + " unknown")
     return " | ".join(parts)
+
+
+class Throughput:
+    """Tokens per second and MFU of all ranks together over the steps since the last report, and the share of this
+    rank's time spent waiting for its data loader."""
+
+    def __init__(self, model, args, row_tokens: int, world_size: int, device: torch.device):
+        """`args`: the run's config (TrainArgs)."""
+        self.world_size = world_size
+        rows = args.data.batch_size * args.grad_acc_steps * world_size
+        self.per_step = {
+            "data_tokens": rows * row_tokens,
+            "token_views": rows * row_tokens * model.views_per_sequence,
+        }
+        self.flops_per_view = model.flops_per_token_view(args.data.seq_len)  # the paper's count (no output head)
+        self.flops_per_view_with_head = self.flops_per_view + model.head_flops_per_token_view(args.data.seq_len)
+        peak = peak_flops(args.logging, device)
+        self.peak = peak * world_size if peak else None
+        self.start, self.steps, self.predicted, self.waited = time.perf_counter(), 0, 0, 0.0
+
+    def compute(self, token_views: int) -> dict[str, float]:
+        """The run's compute so far: eq. 6 as the paper counts it (no output head), and all the FLOPs it ran."""
+        return {"compute_flops": token_views * self.flops_per_view,
+                "compute_flops_with_head": token_views * self.flops_per_view_with_head}
+
+    def exclude(self, seconds: float) -> None:
+        """Time spent outside training steps (validation, probes, checkpoints) does not count."""
+        self.start += seconds
+
+    def step(self, predicted_tokens: int, waited_s: float) -> None:
+        self.steps += 1
+        self.predicted += predicted_tokens * self.world_size
+        self.waited += waited_s
+
+    def report(self) -> dict[str, float]:
+        elapsed = time.perf_counter() - self.start
+        views_per_s = self.steps * self.per_step["token_views"] / elapsed
+        out = {
+            "data_tokens_per_s": self.steps * self.per_step["data_tokens"] / elapsed,
+            "token_views_per_s": views_per_s,
+            "predicted_tokens_per_s": self.predicted / elapsed,
+            "mfu": self.flops_per_view_with_head * views_per_s / self.peak if self.peak else None,
+            "data_wait": self.waited / elapsed,
+        }
+        self.start, self.steps, self.predicted, self.waited = time.perf_counter(), 0, 0, 0.0
+        return out
+
+
+class Window:
+    """Means of per-step scalars since the last log line, summed on the device so steps do not wait for the host."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def add(self, **values: torch.Tensor) -> None:
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0) + value.detach().float()
+        self.count += 1
+
+    def means(self) -> dict[str, float]:
+        """Means over the window's steps and over all ranks (one reduction, one host sync)."""
+        keys = list(self.sums)
+        totals = all_reduce(torch.stack([self.sums[k] for k in keys])) / (self.count * rank_and_world()[1])
+        self.sums, self.count = {}, 0
+        return dict(zip(keys, totals.tolist()))
+
+
+def reduce_over_ranks(record: dict, device: torch.device, maximum: tuple[str, ...], total: tuple[str, ...]) -> dict:
+    """Per-rank host values of a log record: the largest over ranks (memory, data wait) or their sum."""
+    if rank_and_world()[1] == 1:
+        return {}
+    largest = all_reduce(torch.tensor([record[k] for k in maximum], dtype=torch.float64, device=device), "max")
+    summed = all_reduce(torch.tensor([record[k] for k in total], dtype=torch.float64, device=device))
+    return {**dict(zip(maximum, largest.tolist())), **{k: int(v) for k, v in zip(total, summed.tolist())}}

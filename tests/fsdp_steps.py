@@ -18,10 +18,9 @@ from apps.crossbert.train import APP as CROSSBERT
 from lingua.args import load_config
 from lingua.app import build_model
 from lingua.distributed import DistributedArgs, all_reduce, destroy_process_group, detect_launch, init_process_group
-from lingua.parallel import set_gradient_sync
 from lingua.optim import OptimArgs, build_optimizer
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
-from lingua.train import clip_gradients
+from lingua.step import training_step
 
 GLOBAL_ROWS, SEQ_LEN, STEPS = 8, 32, 4
 
@@ -42,19 +41,14 @@ def main(out: str, app: str = "bert", fsdp_type: str = "full_shard", ac: str = "
     data, masks = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
     records = []
     for _ in range(STEPS):
-        total = torch.zeros(())
-        for micro in range(int(grad_acc)):
-            set_gradient_sync(model, micro == int(grad_acc) - 1)
+        batches = []
+        for _ in range(int(grad_acc)):
             tokens = torch.randint(0, 256, (GLOBAL_ROWS, SEQ_LEN), generator=data)
             batch = model.make_batch(tokens, masks)  # the global batch's masks, the same on every rank
-            mine = {key: value.tensor_split(launch.world_size)[launch.rank] for key, value in batch.items()}
-            loss, _ = model(**mine)
-            (loss / int(grad_acc)).backward()
-            total += loss.detach() / int(grad_acc)
-        grad_norm = clip_gradients(model, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        records.append({"loss": (all_reduce(total) / launch.world_size).item(), "grad_norm": grad_norm.item()})
+            batches.append({key: value.tensor_split(launch.world_size)[launch.rank] for key, value in batch.items()})
+        result = training_step(model, optimizer, batches, clip=1.0)
+        records.append({"loss": (all_reduce(result.loss) / launch.world_size).item(),
+                        "grad_norm": result.grad_norm.item()})
     if launch.rank == 0:
         with open(out, "w") as f:
             json.dump(records, f)

@@ -12,11 +12,12 @@ import sys
 
 import torch.distributed as dist
 
+from lingua import step as training_step
 from lingua import train as loop
 
 STEP = int(sys.argv[1])
 steps_done = 0
-clip_gradients, all_reduce = loop.clip_gradients, dist.all_reduce
+clip_gradients, all_reduce = training_step.clip_gradients, dist.all_reduce
 
 
 def counting_clip_gradients(model, max_norm):
@@ -34,5 +35,5 @@ def all_reduce_then_signal(tensor, *args, **kwargs):
     return work
 
 
-loop.clip_gradients, dist.all_reduce = counting_clip_gradients, all_reduce_then_signal
+training_step.clip_gradients, dist.all_reduce = counting_clip_gradients, all_reduce_then_signal
 loop.main(importlib.import_module(sys.argv[2]).APP, sys.argv[3:])

@@ -74,8 +74,10 @@ def contrastive_argv(triplets: Path, dump_dir: Path, init_from: Path, steps: int
 
 
 def run_contrastive(argv: list[str]):
+    """The config the run trained with (its config.yaml: with the shapes it took from init_from) and its summary."""
     args = load_config(contrastive.APP.args_cls, argv)
-    return args, train(contrastive.APP, args)
+    summary = train(contrastive.APP, args)
+    return load_config(contrastive.APP.args_cls, [f"config={Path(args.dump_dir) / 'config.yaml'}"]), summary
 
 
 def test_frozen_training_moves_only_the_pooler_and_warm_starts_it_from_the_predictor(pretrained, tmp_path):
@@ -101,7 +103,7 @@ def test_frozen_training_moves_only_the_pooler_and_warm_starts_it_from_the_predi
 
 def test_no_gradient_reaches_a_frozen_backbone(pretrained, tmp_path):
     args = load_config(contrastive.APP.args_cls, contrastive_argv(tmp_path / "x.jsonl", tmp_path / "d", pretrained, 1))
-    contrastive.APP.configure(args)
+    args = contrastive.APP.configure(args)
     tokenizer = build_tokenizer(args.data.tokenizer)
     model = contrastive.APP.build_model(args.model, tokenizer)
     model = model.to_empty(device="cpu")

@@ -19,6 +19,7 @@ from conftest import end, read_metrics, start, tiny_argv
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
 from lingua import checkpoint as checkpoint_module
+from lingua import step as training_step
 from lingua import train as loop
 from lingua.args import load_config
 from lingua.checkpoint import load_model
@@ -322,7 +323,7 @@ def test_bad_config_files_are_one_line_errors(corpus, tmp_path, capsys):
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_with_the_stop_status(corpus, tmp_path, capsys, monkeypatch):
     dump = tmp_path / "run"
-    original, calls = loop.clip_gradients, []
+    original, calls = training_step.clip_gradients, []
 
     def clip_then_interrupt(model, max_norm):  # Ctrl-C during step 3
         calls.append(1)
@@ -330,7 +331,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_with_the_stop_status(corpus, tmp_pa
             os.kill(os.getpid(), signal.SIGINT)
         return original(model, max_norm)
 
-    monkeypatch.setattr(loop, "clip_gradients", clip_then_interrupt)
+    monkeypatch.setattr(training_step, "clip_gradients", clip_then_interrupt)
     before = signal.getsignal(signal.SIGINT)  # Python's handler, or SIG_IGN in a job started in the background
     status, _ = run_main(tiny_argv(corpus, dump, steps=40), capsys)
     assert status == loop.EXIT_STOPPED
@@ -343,7 +344,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_with_the_stop_status(corpus, tmp_pa
 
 
 def _signal_during_step(monkeypatch, step: int, signum: int) -> None:
-    original, calls = loop.clip_gradients, []
+    original, calls = training_step.clip_gradients, []
 
     def clip_then_signal(model, max_norm):
         calls.append(1)
@@ -351,7 +352,7 @@ def _signal_during_step(monkeypatch, step: int, signum: int) -> None:
             os.kill(os.getpid(), signum)
         return original(model, max_norm)
 
-    monkeypatch.setattr(loop, "clip_gradients", clip_then_signal)
+    monkeypatch.setattr(training_step, "clip_gradients", clip_then_signal)
 
 
 def test_the_evaluation_a_stop_skipped_runs_on_resume(corpus, tmp_path, capsys, monkeypatch):
@@ -399,7 +400,7 @@ def test_a_failed_save_says_why_and_keeps_the_previous_checkpoint(corpus, tmp_pa
 
 def test_a_data_file_truncated_during_a_run_stops_it_in_one_line(corpus, tmp_path, capsys, monkeypatch):
     dump, chunk = tmp_path / "run", corpus / "tiny" / "train.00000.jsonl"
-    original, calls = loop.clip_gradients, []
+    original, calls = training_step.clip_gradients, []
 
     def clip_then_truncate(model, max_norm):  # during step 12, after the checkpoint of step 10 (the loader reads
         # ahead: it meets the cut a few steps later)
@@ -408,7 +409,7 @@ def test_a_data_file_truncated_during_a_run_stops_it_in_one_line(corpus, tmp_pat
             os.truncate(chunk, chunk.stat().st_size // 3)
         return original(model, max_norm)
 
-    monkeypatch.setattr(loop, "clip_gradients", clip_then_truncate)
+    monkeypatch.setattr(training_step, "clip_gradients", clip_then_truncate)
     status, err = run_main(tiny_argv(corpus, dump, steps=100_000) + ["checkpoint.every=10"], capsys)
     assert status == 2
     assert_one_line(err, f"data file {chunk} ")

@@ -38,7 +38,7 @@ def test_lr_min_above_lr_is_an_error():
 
 
 def test_gradient_clipping_caps_the_norm():
-    from lingua.train import clip_gradients
+    from lingua.step import clip_gradients
 
     model = torch.nn.Linear(4, 4)
     (model(torch.ones(1, 4)) * 100).sum().backward()

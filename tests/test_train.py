@@ -66,9 +66,9 @@ def test_sigkill_then_restart_continues_exactly(corpus, tmp_path):
 
 def test_sigterm_saves_and_stops(corpus, tmp_path, monkeypatch):
     dump = tmp_path / "run"
-    from lingua import train as loop
+    from lingua import step as training_step
 
-    original = loop.clip_gradients
+    original = training_step.clip_gradients
     calls = []
 
     def clip_then_signal(model, max_norm):  # deliver SIGTERM during step 3
@@ -77,7 +77,7 @@ def test_sigterm_saves_and_stops(corpus, tmp_path, monkeypatch):
             os.kill(os.getpid(), signal.SIGTERM)
         return original(model, max_norm)
 
-    monkeypatch.setattr(loop, "clip_gradients", clip_then_signal)
+    monkeypatch.setattr(training_step, "clip_gradients", clip_then_signal)
     summary = run(tiny_argv(corpus, dump, steps=40))
     assert summary["steps"] == 3
     assert [p.name for p in (dump / "checkpoints").iterdir()] == ["0000000003"]

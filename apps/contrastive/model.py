@@ -128,22 +128,23 @@ def build_contrastive(args: ContrastiveArgs, tokenizer) -> Contrastive:
 # ------------------------------------------------------------------------------------- the pre-trained backbone
 
 
-def configure(args) -> None:
-    """With init_from, the model's encoder and the tokenizer become the pre-trained run's, and a warm-started
-    attention pooler takes its predictor's depth and heads."""
+def configure(args):
+    """With init_from, the config with the model's encoder and the tokenizer of the pre-trained run, and a
+    warm-started attention pooler of its predictor's depth and heads."""
     if not args.init_from:
-        return
+        return args
     if not Path(args.init_from).exists():
         raise UserError(f"init_from not found: {args.init_from} (the pre-trained run this run starts from)")
     params, shapes = read_params(args.init_from)
     source = params["config"]
     encoder = {k: v for k, v in source["model"]["encoder"].items() if k not in RUNTIME_KEYS}
-    args.model.encoder = replace(args.model.encoder, **encoder)
-    args.data.tokenizer = from_dict(type(args.data.tokenizer), source["data"]["tokenizer"])
+    model = replace(args.model, encoder=replace(args.model.encoder, **encoder))
     predictor_layers = {name.split(".")[2] for name in shapes if name.startswith("predictor.layers.")}
-    if args.model.pooler.kind == "attention" and args.model.pooler.warm_start and predictor_layers:
-        n_heads = (source["model"].get("predictor") or {}).get("n_heads") or args.model.encoder.n_heads
-        args.model.pooler = replace(args.model.pooler, n_layers=len(predictor_layers), n_heads=n_heads)
+    if model.pooler.kind == "attention" and model.pooler.warm_start and predictor_layers:
+        n_heads = (source["model"].get("predictor") or {}).get("n_heads") or model.encoder.n_heads
+        model = replace(model, pooler=replace(model.pooler, n_layers=len(predictor_layers), n_heads=n_heads))
+    tokenizer = from_dict(type(args.data.tokenizer), source["data"]["tokenizer"])
+    return replace(args, model=model, data=replace(args.data, tokenizer=tokenizer))
 
 
 def load_pretrained(path: str, model: Contrastive) -> dict:

@@ -1,0 +1,111 @@
+"""The resume policy: which checkpoint a run in an existing dump_dir continues from, what is refused (another app,
+another architecture) and what is only reported (changed settings)."""
+
+import logging
+from pathlib import Path
+
+from lingua.app import App
+from lingua.args import UserError, config_changes, to_dict
+from lingua.checkpoint import CheckpointManager, DamagedCheckpoint, saved_shapes, shape_mismatches, verify
+from lingua.distributed import Launch, agreed_failure, barrier, broadcast_object, on_every_rank
+from lingua.optim import lr_at
+
+logger = logging.getLogger(__name__)
+
+
+def resume(checkpoints: CheckpointManager, model, optimizer, app: App, args, launch: Launch) -> dict | None:
+    """Loads the newest checkpoint that loads and returns this rank's train state; None for a new run.
+
+    Rank 0 picks the checkpoint and every rank loads that one. A damaged checkpoint (a missing, truncated or
+    unreadable file) is set aside and the one before it is tried. A checkpoint of another app or model shape is
+    refused in one line, before anything is loaded or written. A checkpoint saved by another number of processes
+    loads too: DCP reshards the model and optimizer, and the data loader's unread data is re-partitioned.
+    """
+    while True:
+        choice = broadcast_object(_pick_checkpoint(checkpoints, model, app, args) if launch.rank == 0 else None)
+        if isinstance(choice, UserError) or choice is None:
+            if choice is not None:
+                raise choice
+            return None
+        path = Path(choice)
+        try:
+            states, damage = checkpoints.load(path, model, optimizer), None
+        except DamagedCheckpoint as e:
+            states, damage = None, str(e)
+        damage = agreed_failure(damage)  # a file that one rank alone could not read is damaged for all of them
+        if damage is not None:
+            if launch.rank == 0:
+                _set_aside(checkpoints, path, DamagedCheckpoint(damage))
+            barrier()
+            continue
+        logger.info(f"resumed from {path}")
+        report_changes(verify(path)["config"], args, states[0]["step"])
+        if len(states) == launch.world_size:
+            return states[launch.rank]
+        logger.warning(f"the checkpoint was saved by {len(states)} process(es), this run has {launch.world_size}: "
+                       "the masking random state starts afresh on every rank")
+        old = [s["data"] for s in states]
+        data = on_every_rank(lambda: app.data.repartition(old, launch.world_size, args.data))[launch.rank]
+        return {**states[0], "data": data, "generator": None}
+
+
+def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, args) -> str | UserError | None:
+    """Rank 0: the newest checkpoint whose files are all there and whose model fits, as a path; a UserError to
+    raise on every rank; None for a new run."""
+    for path in reversed(checkpoints.complete_checkpoints()):
+        try:
+            saved = verify(path)
+            check_same_model(path, saved, saved_shapes(path), model, app, args)
+            return str(path)
+        except DamagedCheckpoint as e:
+            _set_aside(checkpoints, path, e)
+        except UserError as e:
+            return e
+    if checkpoints.damaged_checkpoints():
+        return UserError(f"no checkpoint in {checkpoints.folder} loads (the damaged ones are kept as *.damaged): "
+                         "delete them to start this run from scratch, or use another dump_dir")
+    if (checkpoints.folder.parent / "consolidated.pt").exists():  # its history would be overwritten
+        return UserError(f"{checkpoints.folder.parent} holds the export of a finished run but no checkpoint to "
+                         "resume from: use another dump_dir (init_from= starts from its weights)")
+    return None
+
+
+ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "norm_eps", "rope_theta",
+                     "scale_embeddings", "output_bias")
+
+
+def check_same_model(path: Path, saved: dict, shapes: dict, model, app: App, args) -> None:
+    """The checkpoint is of this app, its tensors fit the model, and no architecture setting changed (some, like
+    n_heads at a fixed dim, change the computation but not the shapes)."""
+    run = path.parent.parent
+    if saved["app"] != app.name:
+        raise UserError(f"{run} holds a run of {saved['app']}, not {app.name}: use another dump_dir")
+    architecture = architecture_changes(saved["config"], args)
+    mismatched = shape_mismatches(shapes, model)
+    if architecture or mismatched:
+        raise UserError(f"{run} holds a model of another shape ({', '.join(architecture) or 'tensor ' + mismatched[0]}"
+                        "): resume with its config, or use another dump_dir")
+
+
+def architecture_changes(old_config: dict, args) -> list[str]:
+    """'key old -> new' for each architecture setting (and the tokenizer) that differs from a saved config."""
+    changes = config_changes(old_config, to_dict(args))
+    architecture = [key for key in changes if key == "data.tokenizer.name"
+                    or (key.startswith("model.") and key.rsplit(".", 1)[-1] in ARCHITECTURE_KEYS)]
+    return [f"{key} {changes[key][0]} -> {changes[key][1]}" for key in architecture]
+
+
+def _set_aside(checkpoints: CheckpointManager, path: Path, error: DamagedCheckpoint) -> None:
+    aside = checkpoints.set_aside(path)
+    logger.warning(f"checkpoint {path.name} is damaged ({error}): set aside as {aside.name}; trying the one before it")
+
+
+def report_changes(old_config: dict, args, step: int) -> None:
+    changes = config_changes(old_config, to_dict(args))
+    if changes:
+        listed = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changes.items())
+        logger.warning(f"resuming with changed settings: {listed}")
+    if "steps" in changes and step < args.steps:
+        logger.warning(f"the learning-rate schedule is now that of a {args.steps}-step run: step {step + 1} uses lr "
+                       f"{lr_at(step, args.optim, args.steps):.3g} (warm-up {args.optim.warmup} steps, cosine to "
+                       f"{args.optim.lr_min:g} at step {args.steps})")

@@ -1,0 +1,91 @@
+"""What the training loop measures besides the training loss: the loss on fixed held-out sequences, and the frozen
+GLUE probes, each at its interval."""
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lingua.args import UserError, at_least
+from lingua.distributed import Launch, all_reduce
+from lingua.divergence import NonFiniteGuard
+from lingua.eval.glue import GlueEvalArgs, run_glue_probes
+from lingua.metrics import MetricLogger
+from lingua.parallel import autocast
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ValidationArgs:
+    every: int = 100  # steps between validations; 0 disables
+    n_sequences: int = 64  # fixed held-out sequences
+    batch_size: int = 16  # sequences per forward pass
+    seed: int = 1234  # the masking of the validation set is the same at every validation and in every run
+
+    def __post_init__(self):
+        at_least(self, 0, "every", "seed")
+        at_least(self, 1, "n_sequences", "batch_size")
+
+
+@torch.no_grad()
+def validate(model, tokens: torch.Tensor, args: ValidationArgs, device: torch.device, launch: Launch) -> dict:
+    """Loss and accuracy on fixed sequences with a fixed masking seed: comparable across steps, runs and world sizes.
+    Every rank draws the masks of each whole chunk and evaluates its own rows of it; the sums are reduced."""
+    model.eval()
+    generator = torch.Generator(device).manual_seed(args.seed)
+    totals: dict[str, torch.Tensor] = {}
+    for chunk in tokens.split(args.batch_size):
+        batch = model.make_batch(chunk.to(device), generator)
+        mine = {key: value.tensor_split(launch.world_size)[launch.rank] for key, value in batch.items()}
+        rows = len(next(iter(mine.values())))  # rows predict equally many tokens: row-weighted means are exact
+        with autocast(device):
+            loss, stats = model(**mine)
+        for key, value in {"loss": loss, **stats}.items():
+            totals[key] = totals.get(key, 0) + value.detach().float() * rows
+    model.train()
+    means = (all_reduce(torch.stack(list(totals.values()))) / len(tokens)).tolist()
+    return {f"val/{key}": value for key, value in zip(totals, means)}
+
+
+def check_validation_split(args: ValidationArgs, world_size: int) -> None:
+    """Each chunk of validation rows is split over the ranks: each must get at least one row of every chunk."""
+    chunks = [args.batch_size] * (args.n_sequences // args.batch_size) + [args.n_sequences % args.batch_size]
+    if min(c for c in chunks if c) < world_size:
+        raise UserError(f"validation.batch_size {args.batch_size} and validation.n_sequences {args.n_sequences} "
+                        f"leave a chunk of fewer rows than the {world_size} processes: use multiples of {world_size}")
+
+
+@dataclass
+class Evaluator:
+    """The validation loss (`validation.every`, and at the last step) and the frozen GLUE probes (`eval.every`) of
+    the model being trained, on finite weights only. Every rank takes part (a sharded model computes with all of
+    them); rank 0 logs."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    val_tokens: torch.Tensor | None  # every rank holds all rows; `validate` splits each chunk over the ranks
+    validation: ValidationArgs
+    probes: GlueEvalArgs
+    last_step: int
+    device: torch.device
+    launch: Launch
+    metrics: MetricLogger
+    guard: NonFiniteGuard
+
+    def run(self, step: int) -> None:
+        validating = self.val_tokens is not None and (step % self.validation.every == 0 or step == self.last_step)
+        probing = self.probes.every > 0 and step % self.probes.every == 0
+        if validating or probing:
+            self.guard.check()
+        if validating:
+            record = {"step": step, **validate(self.model, self.val_tokens, self.validation, self.device, self.launch)}
+            if not math.isfinite(record["val/loss"]):
+                self.guard.stop(f"the validation loss is {record['val/loss']} at step {step}")
+            self.metrics.log(record)
+            logger.info(f"step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+        if probing:
+            scores = run_glue_probes(self.model, self.tokenizer, self.probes, self.device)
+            self.metrics.log({"step": step, **scores})
+            logger.info(f"step {step} | " + " | ".join(f"{k} {v:.1f}" for k, v in scores.items()))
