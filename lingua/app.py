@@ -94,8 +94,8 @@ class App:
     build_model: Callable[[Any, Any], EncoderModel]  # (model args, tokenizer) -> model, called on the meta device
     data: DataPipeline = TEXT  # packed rows of the text corpus (lingua/data.py)
     configure: Callable[[Any], Any] | None = None  # the config adjusted before the run (e.g. from init_from)
-    load_init: Callable[[str, Any], dict] | None = None  # (init_from path, model) -> the config it was trained
-    # with; default: the checkpoint's weights into the model as they are (lingua.checkpoint.load_weights)
+    load_init: Callable[[Any, Any], dict] | None = None  # (init_from's Checkpoint, model) -> the config it was
+    # trained with; default: the checkpoint's weights into the model as it is (Checkpoint.load_into)
 
     @property
     def model_args_cls(self) -> type:

@@ -279,146 +279,134 @@ def export_consolidated(model: nn.Module, params: dict, path: str | Path) -> Pat
 
 
 def build_from_params(params: dict, device: str | torch.device = "cpu"):
-    """Rebuilds (initialised, untrained) model, config and tokenizer from {"app": module, "config": dict}."""
+    """The (initialised, untrained) model, config and tokenizer of {"app": module, "config": dict}."""
     from lingua.tokenizer import build_tokenizer
 
-    try:
-        app = importlib.import_module(params["app"]).APP
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"the checkpoint's app {params['app']!r} cannot be imported ({short_reason(e)})") from None
+    app = import_app(params["app"])
     config = from_dict(app.args_cls, params["config"])
     tokenizer = build_tokenizer(config.data.tokenizer)
     return build_model(app.build_model, config.model, tokenizer, torch.device(device)), config, tokenizer
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A consolidated file, a checkpoint folder, or a run's dump_dir (its newest complete checkpoint, else its
-    consolidated.pt: a run extended after its export has newer weights in its checkpoints)."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"checkpoint not found: {path}")
-    if path.is_dir() and not (path / "params.json").exists():
-        latest = CheckpointManager(path / "checkpoints", CheckpointArgs()).latest()
-        if latest is not None:
-            return latest
-        if not (path / CONSOLIDATED).exists():
-            raise UserError(f"no complete checkpoint, consolidated.pt or params.json found in {path}")
-        return path / CONSOLIDATED
-    return path
-
-
-def read_params(path: str | Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
-    """The app and config of anything `resolve_checkpoint` accepts, and the shape of each model tensor, without
-    building the model (a consolidated file is memory-mapped, not read)."""
-    path = resolve_checkpoint(path)
+def import_app(name: str):
+    """The App that module `name` defines (a checkpoint names the module it was trained by)."""
     try:
+        return importlib.import_module(name).APP
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"the checkpoint's app {name!r} cannot be imported ({short_reason(e)})") from None
+
+
+class Checkpoint:
+    """The one reader of what the library saves: a checkpoint folder (DCP shards), a run's dump_dir (its newest
+    complete checkpoint, else its consolidated.pt: a run extended after its export has newer weights in its
+    checkpoints) or a consolidated file. Opening reads the app, the config and every model tensor's shape, no
+    weight; `load_into` puts the weights into a model as it is (full or sharded); `load` builds the model and
+    loads it. Every problem is one line naming the file."""
+
+    def __init__(self, path: Path, params: dict, shapes: dict[str, tuple[int, ...]], weights: dict | None = None):
+        self.path, self.params, self.shapes = path, params, shapes
+        self._weights = weights  # a consolidated file's tensors, memory-mapped
+
+    @property
+    def app_name(self) -> str:
+        return self.params["app"]
+
+    @property
+    def config(self) -> dict:
+        return self.params["config"]
+
+    @classmethod
+    def open(cls, path: str | Path) -> "Checkpoint":
+        path = cls.resolve(path)
+        try:
+            return cls.read(path)
+        except DamagedCheckpoint as e:
+            raise UserError(f"checkpoint {path} is damaged: {e}") from None
+
+    @staticmethod
+    def resolve(path: str | Path) -> Path:
+        """The folder or file that `open` reads for `path`."""
+        path = Path(path)
+        if not path.exists():
+            raise UserError(f"checkpoint not found: {path}")
+        if path.is_dir() and not (path / "params.json").exists():
+            latest = CheckpointManager(path / "checkpoints", CheckpointArgs()).latest()
+            if latest is not None:
+                return latest
+            if not (path / CONSOLIDATED).exists():
+                raise UserError(f"no complete checkpoint, consolidated.pt or params.json found in {path}")
+            return path / CONSOLIDATED
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> "Checkpoint":
+        """A checkpoint folder or a consolidated file; DamagedCheckpoint for a folder with a missing, truncated or
+        unreadable file."""
         if path.is_dir():
-            return verify(path), saved_shapes(path)
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except DamagedCheckpoint as e:
-        raise UserError(f"checkpoint {path} is damaged: {e}") from None
-    except Exception as e:  # pickle, zip and torch errors of every kind: this is not one of our files
-        raise UserError(f"{path} is not a checkpoint (torch.load: {type(e).__name__})") from None
-    if not isinstance(saved, dict) or not {"app", "config", "model"} <= saved.keys():
-        raise UserError(f"{path} is not a checkpoint of this library (no app, config and model in it)")
-    return {"app": saved["app"], "config": saved["config"]}, {k: tuple(v.shape) for k, v in saved["model"].items()}
+            return cls(path, verify(path), saved_shapes(path))
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # pickle, zip and torch errors of every kind: this is not one of our files
+            raise UserError(f"{path} is not a checkpoint (torch.load: {type(e).__name__})") from None
+        if not isinstance(saved, dict) or not {"app", "config", "model"} <= saved.keys():
+            raise UserError(f"{path} is not a checkpoint of this library (no app, config and model in it)")
+        shapes = {k: tuple(v.shape) for k, v in saved["model"].items()}
+        return cls(path, {"app": saved["app"], "config": saved["config"]}, shapes, saved["model"])
+
+    def mismatches(self, model: nn.Module) -> list[str]:
+        """Parameter names whose saved shape differs from the model's, or that only one side has (global shapes of
+        a sharded model; no communication)."""
+        return shape_mismatches(self.shapes, model)
+
+    def load_into(self, model: nn.Module) -> None:
+        """The model weights (no optimizer state, no step) into `model` as it is: sharded, compiled or plain. Every
+        rank calls it. A model of another shape is refused before anything is read."""
+        mismatched = self.mismatches(model)
+        if mismatched:
+            raise UserError(f"{self.path} holds a model of another shape (first difference: {mismatched[0]})")
+        try:
+            if self._weights is None:
+                state = {"model": get_model_state_dict(model)}
+                with _dcp_quietly():
+                    dcp.load(state, checkpoint_id=str(self.path))
+                set_model_state_dict(model, state["model"])
+            else:
+                set_model_state_dict(model, self._weights, options=StateDictOptions(full_state_dict=True))
+        except (Exception, CheckpointException) as e:
+            raise UserError(f"checkpoint {self.path} is damaged: {short_reason(e)}") from None
+
+    def load(self, device: str | torch.device = "cpu"):
+        """The trained model (eval mode), its config and its tokenizer, built from the checkpoint's own config."""
+        model, config, tokenizer = build_from_params(self.params, device)
+        mismatched = self.mismatches(model)
+        if mismatched:  # the model was rebuilt from the checkpoint's own config: its files do not match it
+            raise UserError(f"checkpoint {self.path} is damaged: its tensors do not match its config (first: "
+                            f"{mismatched[0]})")
+        self.load_into(model)
+        return model.eval(), config, tokenizer
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
-    """Model (eval mode), config and tokenizer from anything `resolve_checkpoint` accepts; a file that is not a
-    checkpoint, or a damaged one, is a UserError naming it."""
-    path = resolve_checkpoint(path)
-    try:
-        if path.is_dir():
-            return _load_folder(path, device)
-        return _load_file(path, device)
-    except DamagedCheckpoint as e:
-        raise UserError(f"checkpoint {path} is damaged: {e}") from None
-
-
-def _load_folder(path: Path, device):
-    model, config, tokenizer = build_from_params(verify(path), device)
-    _check_shapes(path, saved_shapes(path), model)
-    _load_folder_weights(path, model)
-    return model.eval(), config, tokenizer
-
-
-def _load_folder_weights(path: Path, model: nn.Module) -> None:
-    """The model part of a DCP checkpoint into `model`, sharded or not."""
-    state = {"model": get_model_state_dict(model)}
-    try:
-        with _dcp_quietly():
-            dcp.load(state, checkpoint_id=str(path))
-    except (Exception, CheckpointException) as e:
-        raise DamagedCheckpoint(short_reason(e)) from None
-    set_model_state_dict(model, state["model"])
-
-
-def _load_file(path: Path, device):
-    try:
-        saved = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:  # pickle, zip and torch errors of every kind: this is not one of our files
-        raise UserError(f"{path} is not a checkpoint (torch.load: {type(e).__name__})") from None
-    if not isinstance(saved, dict) or not {"app", "config", "model"} <= saved.keys():
-        raise UserError(f"{path} is not a checkpoint of this library (no app, config and model in it)")
-    model, config, tokenizer = build_from_params(saved, device)
-    _check_shapes(path, {k: tuple(v.shape) for k, v in saved["model"].items()}, model)
-    model.load_state_dict(saved["model"])
-    return model.eval(), config, tokenizer
+    """Model (eval mode), config and tokenizer of anything `Checkpoint.open` accepts."""
+    return Checkpoint.open(path).load(device)
 
 
 def shape_mismatches(saved: dict[str, tuple[int, ...]], model: nn.Module) -> list[str]:
-    """Parameter names whose saved shape differs from the model's, or that only one side has (global shapes of a
-    sharded model; no communication)."""
+    """Parameter names whose saved shape differs from the model's, or that only one side has."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     return sorted(k for k in saved.keys() | expected.keys() if saved.get(k) != expected.get(k))
-
-
-def _check_shapes(path: Path, saved: dict[str, tuple[int, ...]], model: nn.Module) -> None:
-    mismatched = shape_mismatches(saved, model)
-    if mismatched:  # the model was rebuilt from the checkpoint's own config: its files do not match it
-        raise DamagedCheckpoint(f"its tensors do not match its config (first: {mismatched[0]})")
-
-
-def load_weights(path: str | Path, model: nn.Module) -> dict:
-    """The model weights of any checkpoint `resolve_checkpoint` accepts, into `model` as it is (sharded, compiled):
-    no optimizer state, no step. Returns the config they were trained with. Every rank calls it."""
-    path = resolve_checkpoint(path)
-    try:
-        if path.is_dir():
-            params = verify(path)
-            _check_init_shapes(path, saved_shapes(path), model)
-            _load_folder_weights(path, model)
-            return params["config"]
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except UserError:
-        raise
-    except DamagedCheckpoint as e:
-        raise UserError(f"init_from: checkpoint {path} is damaged: {e}") from None
-    except (Exception, CheckpointException) as e:
-        raise UserError(f"init_from: cannot load {path} ({short_reason(e)})") from None
-    if not isinstance(saved, dict) or not {"model", "config"} <= saved.keys():
-        raise UserError(f"init_from: {path} is not a checkpoint of this library")
-    _check_init_shapes(path, {k: tuple(v.shape) for k, v in saved["model"].items()}, model)
-    set_model_state_dict(model, saved["model"], options=StateDictOptions(full_state_dict=True))
-    return saved["config"]
-
-
-def _check_init_shapes(path: Path, saved: dict, model: nn.Module) -> None:
-    mismatched = shape_mismatches(saved, model)
-    if mismatched:
-        raise UserError(f"init_from: {path} holds a model of another shape (first difference: {mismatched[0]})")
 
 
 def main(argv: list[str]) -> None:
     if len(argv) != 3 or argv[0] != "export":
         sys.exit("usage: python -m lingua.checkpoint export CHECKPOINT_DIR OUT.pt")
     try:
-        checkpoint = resolve_checkpoint(argv[1])
-        if not checkpoint.is_dir():
-            raise UserError(f"{checkpoint} is a file; export takes a checkpoint folder or a run's dump_dir")
-        model, _, _ = load_model(checkpoint)
-        print(f"wrote {export_consolidated(model, verify(checkpoint), argv[2])}")
+        path = Checkpoint.resolve(argv[1])
+        if not path.is_dir():
+            raise UserError(f"{path} is a file; export takes a checkpoint folder or a run's dump_dir")
+        checkpoint = Checkpoint.open(path)
+        model, _, _ = checkpoint.load()
+        print(f"wrote {export_consolidated(model, checkpoint.params, argv[2])}")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

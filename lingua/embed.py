@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lingua.args import UserError
-from lingua.checkpoint import load_model, resolve_checkpoint
+from lingua.checkpoint import Checkpoint
 from lingua.distributed import resolve_device
 from lingua.eval.features import extract_features
 from lingua.pooler import mean_pool_normalised
@@ -54,9 +54,10 @@ def load_embedder(path: str, device: str = "auto", pooling: str = "auto", max_le
     """An Embedder for the checkpoint at `path` (a run's dump_dir, a checkpoint folder or a consolidated.pt)."""
     if pooling not in POOLINGS:
         raise UserError(f"pooling must be one of {', '.join(POOLINGS)}, got '{pooling}'")
-    checkpoint = resolve_checkpoint(path)
+    opened = Checkpoint.open(path)
     resolved = resolve_device(device)
-    model, config, tokenizer = load_model(checkpoint, resolved)
+    model, config, tokenizer = opened.load(resolved)
+    checkpoint = opened.path
     longest = config.model.encoder.max_seqlen
     if max_len < 0 or max_len > longest or 0 < max_len < 3:
         raise UserError(f"max_len must be 0 (the run's training length) or 3..{longest}, got {max_len}")

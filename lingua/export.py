@@ -21,7 +21,7 @@ import torch
 from tiktoken_ext.openai_public import r50k_pat_str
 
 from lingua.args import UserError, command_line, load_config
-from lingua.checkpoint import read_params, resolve_checkpoint
+from lingua.checkpoint import Checkpoint
 from lingua.embed import Embedder, load_embedder
 from lingua.eval.report import format_table
 from lingua.files import atomic_write
@@ -54,9 +54,9 @@ def export(args: ExportArgs) -> Path:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"out={out} is a file, not a folder")
-    checkpoint = resolve_checkpoint(args.ckpt)
-    embedder = load_embedder(str(checkpoint), "cpu", args.pooling, args.max_len)
-    params, _ = read_params(checkpoint)
+    checkpoint = Checkpoint.open(args.ckpt)
+    embedder = load_embedder(str(checkpoint.path), "cpu", args.pooling, args.max_len)
+    params = checkpoint.params
     pooler = getattr(embedder.model, "pooler", None) if args.pooling == "auto" else None
     config = hf_config(embedder, pooler)
     files = {
@@ -65,7 +65,7 @@ def export(args: ExportArgs) -> Path:
         "tokenizer.json": hf_tokenizer(embedder, params["config"]["data"]["tokenizer"]["name"]).to_str(),
         "tokenizer_config.json": json_text(tokenizer_config(embedder)),
         **sentence_transformers_files(embedder.max_len),
-        "README.md": model_card(checkpoint, params, embedder, pooler, config),
+        "README.md": model_card(checkpoint.path, params, embedder, pooler, config),
     }
     try:
         for name, text in files.items():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from lingua.app import App
 from lingua.args import UserError, config_changes, to_dict
-from lingua.checkpoint import CheckpointManager, DamagedCheckpoint, saved_shapes, shape_mismatches, verify
+from lingua.checkpoint import Checkpoint, CheckpointManager, DamagedCheckpoint
 from lingua.distributed import Launch, agreed_failure, barrier, broadcast_object, on_every_rank
 from lingua.optim import lr_at
 
@@ -39,7 +39,7 @@ def resume(checkpoints: CheckpointManager, model, optimizer, app: App, args, lau
             barrier()
             continue
         logger.info(f"resumed from {path}")
-        report_changes(verify(path)["config"], args, states[0]["step"])
+        report_changes(Checkpoint.read(path).config, args, states[0]["step"])
         if len(states) == launch.world_size:
             return states[launch.rank]
         logger.warning(f"the checkpoint was saved by {len(states)} process(es), this run has {launch.world_size}: "
@@ -54,8 +54,7 @@ def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, args) -> s
     raise on every rank; None for a new run."""
     for path in reversed(checkpoints.complete_checkpoints()):
         try:
-            saved = verify(path)
-            check_same_model(path, saved, saved_shapes(path), model, app, args)
+            check_same_model(Checkpoint.read(path), model, app, args)
             return str(path)
         except DamagedCheckpoint as e:
             _set_aside(checkpoints, path, e)
@@ -74,14 +73,14 @@ ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of"
                      "scale_embeddings", "output_bias")
 
 
-def check_same_model(path: Path, saved: dict, shapes: dict, model, app: App, args) -> None:
+def check_same_model(checkpoint: Checkpoint, model, app: App, args) -> None:
     """The checkpoint is of this app, its tensors fit the model, and no architecture setting changed (some, like
     n_heads at a fixed dim, change the computation but not the shapes)."""
-    run = path.parent.parent
-    if saved["app"] != app.name:
-        raise UserError(f"{run} holds a run of {saved['app']}, not {app.name}: use another dump_dir")
-    architecture = architecture_changes(saved["config"], args)
-    mismatched = shape_mismatches(shapes, model)
+    run = checkpoint.path.parent.parent
+    if checkpoint.app_name != app.name:
+        raise UserError(f"{run} holds a run of {checkpoint.app_name}, not {app.name}: use another dump_dir")
+    architecture = architecture_changes(checkpoint.config, args)
+    mismatched = checkpoint.mismatches(model)
     if architecture or mismatched:
         raise UserError(f"{run} holds a model of another shape ({', '.join(architecture) or 'tensor ' + mismatched[0]}"
                         "): resume with its config, or use another dump_dir")

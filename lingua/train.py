@@ -31,7 +31,7 @@ import torch
 
 from lingua.app import App, build_model
 from lingua.args import UserError, at_least, command_line, dump_config, load_config, require, to_dict
-from lingua.checkpoint import CheckpointArgs, CheckpointManager, export_consolidated, load_weights
+from lingua.checkpoint import Checkpoint, CheckpointArgs, CheckpointManager, export_consolidated
 from lingua.data import DataArgs, ReadAhead
 from lingua.distributed import (
     DistributedArgs,
@@ -225,12 +225,23 @@ class Trainer:
                 self.generator.set_state(torch.tensor(state.generator, dtype=torch.uint8))
             return state
         if args.init_from:
-            changed = architecture_changes((self.app.load_init or load_weights)(args.init_from, self.model), args)
+            changed = architecture_changes(self._load_init(args.init_from), args)
             if changed:
                 raise UserError(f"init_from {args.init_from} is a model of another architecture ({', '.join(changed)})")
             logger.info(f"initialised the model from {args.init_from} (weights only: step, optimizer and data start "
                         "afresh)")
         return TrainState()
+
+    def _load_init(self, path: str) -> dict:
+        """init_from's weights into the model (the app's way, when it has one); the config they were trained with."""
+        try:
+            checkpoint = Checkpoint.open(path)
+            if self.app.load_init is not None:
+                return self.app.load_init(checkpoint, self.model)
+            checkpoint.load_into(self.model)
+            return checkpoint.config
+        except UserError as e:
+            raise UserError(f"init_from: {e}") from None
 
     def fit(self) -> dict[str, Any]:
         args, state, activity = self.args, self.state, self.activity

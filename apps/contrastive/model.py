@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.nn.functional import all_gather
 
 from lingua.args import UserError, from_dict, require, to_dict
-from lingua.checkpoint import load_model, read_params
+from lingua.checkpoint import Checkpoint
 from lingua.flops import encoder_flops_per_token
 from lingua.pooler import AttentionPooler, PoolerArgs, mean_pool_normalised, pooler_transformer, predictor_state
 from lingua.transformer import Encoder, TransformerArgs, head_dim_of, init_weights, trunc_normal_
@@ -135,8 +135,8 @@ def configure(args):
         return args
     if not Path(args.init_from).exists():
         raise UserError(f"init_from not found: {args.init_from} (the pre-trained run this run starts from)")
-    params, shapes = read_params(args.init_from)
-    source = params["config"]
+    checkpoint = Checkpoint.open(args.init_from)
+    source, shapes = checkpoint.config, checkpoint.shapes
     encoder = {k: v for k, v in source["model"]["encoder"].items() if k not in RUNTIME_KEYS}
     model = replace(args.model, encoder=replace(args.model.encoder, **encoder))
     predictor_layers = {name.split(".")[2] for name in shapes if name.startswith("predictor.layers.")}
@@ -147,20 +147,21 @@ def configure(args):
     return replace(args, model=model, data=replace(args.data, tokenizer=tokenizer))
 
 
-def load_pretrained(path: str, model: Contrastive) -> dict:
+def load_pretrained(checkpoint: Checkpoint, model: Contrastive) -> dict:
     """The backbone's weights of any app's checkpoint into the encoder, and a CrossBERT predictor's into the attention
     pooler when it warm-starts. Returns the checkpoint's config."""
-    source, config, _ = load_model(path, "cpu")
+    source, config, _ = checkpoint.load("cpu")
+    path = checkpoint.path
     state = {f"encoder.{k}": v for k, v in source.backbone.state_dict().items()}
     predictor = getattr(source, "predictor", None)
     if model.pooler is not None and model.args.pooler.warm_start and predictor is not None:
         try:
             state |= {f"pooler.{k}": v for k, v in predictor_state(predictor.state_dict()).items()}
         except ValueError as e:
-            raise UserError(f"init_from {path}: {e}") from None
+            raise UserError(f"{path}: {e}") from None
     expected = dict(model.state_dict())
     mismatched = sorted(k for k, v in state.items() if k not in expected or expected[k].shape != v.shape)
     if mismatched:
-        raise UserError(f"init_from {path}: its weights do not fit this model (first: {mismatched[0]})")
+        raise UserError(f"{path}: its weights do not fit this model (first: {mismatched[0]})")
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
     return {"model": {"encoder": to_dict(config.model.encoder)}, "data": {"tokenizer": to_dict(config.data.tokenizer)}}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from apps.eval.glue import run_dump_dir
 from lingua.args import UserError, command_line, load_config
-from lingua.checkpoint import resolve_checkpoint
+from lingua.checkpoint import Checkpoint
 from lingua.embed import POOLINGS, load_embedder
 from lingua.eval.retrieval import evaluate_retrieval
 from lingua.eval.sts import evaluate_sts, find_sts_sets
@@ -54,7 +54,7 @@ def run(args: EmbeddingEvalArgs) -> dict:
                                                                                args.batch_size)}
     if sts_sets:
         results["sts"] = {name: evaluate_sts(embedder, pairs, args.batch_size) for name, pairs in sts_sets.items()}
-    path = output_path(args.out, resolve_checkpoint(args.ckpt))
+    path = output_path(args.out, Checkpoint.open(args.ckpt).path)
     try:
         atomic_write(path, json.dumps(results, indent=1))
     except OSError as e:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 from lingua.args import UserError, command_line, load_config
-from lingua.checkpoint import load_model, resolve_checkpoint
+from lingua.checkpoint import Checkpoint
 from lingua.distributed import resolve_device
 from lingua.files import atomic_write
 from lingua.eval.features import FeatureCache
@@ -56,9 +56,10 @@ def run(args: GlueCommandArgs) -> dict:
     if not args.ckpt:
         raise UserError("ckpt= is required: a consolidated.pt, a checkpoint folder or a run's dump_dir")
     check_args(args)  # before the (slow) model loading
-    checkpoint = resolve_checkpoint(args.ckpt)
+    opened = Checkpoint.open(args.ckpt)
     device = resolve_device(args.device)
-    model, config, tokenizer = load_model(checkpoint, device)
+    model, config, tokenizer = opened.load(device)
+    checkpoint = opened.path
     # default: the length the model was trained on; never past its position table
     max_len = min(args.max_len or config.data.seq_len, config.model.encoder.max_seqlen)
     args = replace(args, max_len=max_len)

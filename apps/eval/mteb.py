@@ -18,7 +18,7 @@ from pathlib import Path
 
 from apps.eval.glue import run_dump_dir
 from lingua.args import UserError, at_least, command_line, load_config
-from lingua.checkpoint import resolve_checkpoint
+from lingua.checkpoint import Checkpoint
 from lingua.files import atomic_write
 from lingua.metrics import setup_logging
 
@@ -43,7 +43,7 @@ class MtebCommandArgs:
 def output_dir(args: MtebCommandArgs) -> Path:
     if args.out:
         return Path(args.out)
-    checkpoint = resolve_checkpoint(args.ckpt)
+    checkpoint = Checkpoint.open(args.ckpt).path
     return run_dump_dir(checkpoint) / "mteb_eval" / checkpoint.name.removesuffix(".pt")
 
 
