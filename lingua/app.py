@@ -1,25 +1,29 @@
-"""The app contract: what an app gives the shared training loop (lingua/train.py), and nothing more.
+"""The app contract: what an app gives the shared training loop (lingua/train.py) and the tools, and nothing more.
 
-An app is a folder `apps/<name>/` with
-- `model.py`: its model args (a dataclass, validated in `__post_init__`), its model (a plain `nn.Module` following
-  `EncoderModel` below) and `build_<name>(args, tokenizer)`;
-- `train.py`: `<Name>TrainArgs(TrainArgs)` adding `model: <Name>Args`, and a module-level `APP = App(...)` (checkpoints
-  store the module's name and rebuild the model through it), then `main(APP)`;
-- `configs/*.yaml`.
-An app that trains on something other than packed text rows (e.g. contrastive triplets) gives its own `DataPipeline`;
-one that starts from another app's weights gives `load_init` (and `configure`, to take that run's shapes).
-The model args hold the backbone as `encoder: TransformerArgs` (the loop reads `encoder.max_seqlen`; resuming compares
-the architecture fields of every `TransformerArgs` under `model`). The loop builds the model on the meta device, parallelises it, materialises it and calls `init_weights`; it owns
-the data, the optimizer, the schedule, checkpoints, logging and the random generator; the model owns its masking,
-its loss, its FLOPs and its shape. No app imports another: what several apps share lives in `lingua/` (for
-example `lingua/masking.py`).
+An app is a package `<name>/` (the shipped ones live in `apps/`) with
+- `model.py`: its model args (a dataclass, validated in `__post_init__`; its `ARCHITECTURE` names the fields that
+  make another model), its model (an `AppModel`) and `build_<name>(args, tokenizer)`;
+- `train.py`: `<Name>TrainArgs(TrainArgs)` adding `model: <Name>Args`, and a module-level `APP = App(...)`
+  (checkpoints store the module's name and rebuild the model through it), then `main(APP)`;
+- `configs/*.yaml` (`debug.yaml`, `single_scale.yaml` and `scaling_*.yaml` are found by the tools when present).
+The tools find an app by name: `bert` is `apps/bert`, any other importable package `toy` with a `toy/train.py`
+works the same (`apps.benchmark apps=toy`); every package of `apps/` with a train.py is registered
+(`registered_apps`), and the tests iterate over them. An app that trains on something other than packed text rows
+(contrastive triplets) gives its own `DataPipeline`; one that starts from another app's weights gives `load_init`
+(and `configure`, to take that run's shapes). The loop builds the model on the meta device, parallelises it,
+materialises it and calls `init_weights`; it owns the data, the optimizer, the schedule, checkpoints, logging and
+the random generator; the model owns its masking, its loss, its FLOPs and its shape. No app imports another: what
+several apps share lives in `lingua/` (e.g. `lingua/masking.py`).
 """
 
+import abc
+import pkgutil
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import import_module
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,12 +32,19 @@ from lingua.args import UserError, load_config
 from lingua.data import build_train_loader, load_validation, repartition
 from lingua.distributed import DistributedArgs, Launch
 from lingua.parallel import parallelize
+from lingua.scaling import ScalingLaws
+from lingua.transformer import Encoder, PreNormBlock, init_weights
 
 
-class EncoderModel(Protocol):
-    views_per_sequence: int
-    """Token-views per data sequence in one step (1; CrossBERT with CMS: 2), for throughput and compute."""
+class AppModel(nn.Module, abc.ABC):
+    """An app's model. An app writes the four abstract methods; the others have the defaults of a model whose
+    backbone is the attribute `backbone_name` and whose batches hold `targets`, and are overridden where the app
+    differs."""
 
+    views_per_sequence = 1  # token-views per data sequence in one step (CrossBERT with CMS: 2): throughput, compute
+    backbone_name = "encoder"  # the attribute holding the `Encoder` that `encode` runs
+
+    @abc.abstractmethod
     def make_batch(self, tokens: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """The inputs of `forward` for a batch of token rows [B, S]. Every random draw of a step is made here, from
         `generator` (the loop's, checkpointed: a resumed run draws the same); randomness that `forward` needs
@@ -41,35 +52,43 @@ class EncoderModel(Protocol):
         tensor has the batch first (validation splits rows over ranks) and a shape that does not depend on the
         draw."""
 
+    @abc.abstractmethod
     def forward(self, **batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss, stats): the scalar loss to minimise and scalar tensors the loop logs as means over the logging
         window and the ranks (e.g. accuracy, each term of a composite loss). No host sync, no random draw."""
 
-    def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        """Tokens predicted in this batch, from shapes only (no sync): logged as predicted_tokens_per_s."""
-
-    @property
-    def backbone(self) -> nn.Module:
-        """The `lingua.transformer.Encoder` whose states `encode` returns: what embeddings, contrastive training and
-        fine-tuning start from."""
-
-    def encode(self, tokens: torch.Tensor, pad_mask: torch.Tensor | None = None, all_layers: bool = False):
-        """The frozen representation for evaluation: the full, unmasked sequence [B, S] -> hidden states [B, S, D]
-        after the final norm (padding, pad_mask False, hidden), or every layer's output with all_layers."""
-
+    @abc.abstractmethod
     def flops_per_token_view(self, seq_len: int) -> float:
         """Training FLOPs per token-view (forward and backward), as the paper counts them (eq. 7-8): the compute C."""
 
+    @abc.abstractmethod
     def head_flops_per_token_view(self, seq_len: int) -> float:
         """The FLOPs per token-view of the output heads that `flops_per_token_view` leaves out (the paper's
         convention); the sum of both is what a step runs, and what MFU counts."""
 
+    @property
+    def backbone(self) -> Encoder:
+        """The encoder whose states `encode` returns: what embeddings, contrastive training and fine-tuning start
+        from."""
+        return getattr(self, self.backbone_name)
+
+    def encode(self, tokens: torch.Tensor, pad_mask: torch.Tensor | None = None, all_layers: bool = False):
+        """The frozen representation for evaluation: the full, unmasked sequence [B, S] -> hidden states [B, S, D]
+        after the final norm (padding, pad_mask False, hidden), or every layer's output with all_layers."""
+        return self.backbone.encode(tokens, pad_mask, all_layers)
+
+    def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """Tokens predicted in this batch, from shapes only (no sync): logged as predicted_tokens_per_s."""
+        return batch["targets"].numel()
+
     def sharding_units(self) -> list[nn.Module]:
-        """The modules FSDP shards, compiles and checkpoints one by one (the transformer blocks); the rest (the
-        embedding and tied head) stays with the root."""
+        """The modules FSDP shards, compiles and checkpoints one by one: every transformer block, in module order;
+        the rest (the embedding and tied head) stays with the root."""
+        return [module for module in self.modules() if isinstance(module, PreNormBlock)]
 
     def init_weights(self) -> None:
         """Fills every parameter and buffer after materialisation from the meta device (under torch.no_grad)."""
+        init_weights(self, self.backbone.args.init_std)
 
 
 @dataclass(frozen=True)
@@ -91,24 +110,55 @@ TEXT = DataPipeline(build_train_loader, load_validation, repartition, lambda arg
 class App:
     name: str  # the module that defines APP, e.g. "apps.bert.train"; stored with checkpoints to rebuild the model
     args_cls: type  # a TrainArgs subclass with a `model` field
-    build_model: Callable[[Any, Any], EncoderModel]  # (model args, tokenizer) -> model, called on the meta device
+    build_model: Callable[[Any, Any], AppModel]  # (model args, tokenizer) -> model, called on the meta device
     data: DataPipeline = TEXT  # packed rows of the text corpus (lingua/data.py)
     configure: Callable[[Any], Any] | None = None  # the config adjusted before the run (e.g. from init_from)
     load_init: Callable[[Any, Any], dict] | None = None  # (init_from's Checkpoint, model) -> the config it was
     # trained with; default: the checkpoint's weights into the model as it is (Checkpoint.load_into)
+    parallelize: Callable | None = None  # (model, DistributedArgs, Launch, device): the app's own parallelism
+    # plan; default: activation checkpointing, compile and FSDP2 per sharding unit (lingua/parallel.py)
+    scaling: ScalingLaws | None = None  # its batch-size and learning-rate laws, for `apps.scaling plan`
+    variants: dict[str, list[str]] = field(default_factory=dict)  # named model settings worth testing and
+    # benchmarking beside the defaults, e.g. {"no CMS": ["cms=false"]}
 
     @property
     def model_args_cls(self) -> type:
         """The dataclass of the `model` section of the app's config."""
         return typing.get_type_hints(self.args_cls)["model"]
 
+    @property
+    def short_name(self) -> str:
+        """The name the tools take: `bert` for apps.bert.train, `toy` for toy.train."""
+        return self.name.removesuffix(".train").removeprefix("apps.")
+
+    @property
+    def folder(self) -> Path:
+        """The app's package folder (its configs/ are there)."""
+        return Path(import_module(self.name).__file__).parent
+
+    def config(self, name: str) -> Path | None:
+        """The app's configs/NAME.yaml, if it has one."""
+        path = self.folder / "configs" / f"{name}.yaml"
+        return path if path.exists() else None
+
 
 def load_app(name: str) -> App:
-    """The App of apps/<name>/train.py."""
-    try:
-        return import_module(f"apps.{name}.train").APP
-    except ModuleNotFoundError:
-        raise UserError(f"unknown app '{name}' (an app is a folder apps/<name>/ with a train.py)") from None
+    """The App of `name`: apps/<name>/train.py, else the package <name>'s train.py (an app outside apps/)."""
+    for module in (f"apps.{name}.train", f"{name}.train"):
+        try:
+            return import_module(module).APP
+        except ModuleNotFoundError as e:
+            if e.name not in (module, module.rpartition(".")[0]):
+                raise  # the app exists but imports something missing
+    raise UserError(f"unknown app '{name}' (an app is a package with a train.py defining APP, e.g. apps/{name}/)")
+
+
+def registered_apps() -> list[App]:
+    """Every app shipped in apps/: each package there with a train.py, in name order."""
+    import apps
+
+    return [load_app(info.name) for info in sorted(pkgutil.iter_modules(apps.__path__), key=lambda i: i.name)
+            if info.ispkg and (Path(info.module_finder.path) / info.name / "train.py").exists()]
 
 
 def app_variant(label: str, base: dict[str, Any]) -> tuple[App, Any]:
@@ -120,14 +170,18 @@ def app_variant(label: str, base: dict[str, Any]) -> tuple[App, Any]:
 
 
 def build_model(build_fn, model_args, tokenizer, device: torch.device, seed: int = 0,
-                parallel: tuple[DistributedArgs, Launch] | None = None) -> nn.Module:
+                parallel: tuple[DistributedArgs, Launch] | None = None, plan: Callable | None = None) -> nn.Module:
     """The one way models are built, for training and for loading: on the meta device (no memory), parallelised
-    when asked (`parallel`), materialised on `device`, then initialised from `seed` (`init_weights`)."""
+    when asked (`parallel`: by `plan`, an app's own, else per sharding unit), materialised on `device`, then
+    initialised from `seed` (`init_weights`)."""
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = build_fn(model_args, tokenizer)
     if parallel is not None:
-        parallelize(model, model.sharding_units(), *parallel, device)
+        if plan is not None:
+            plan(model, *parallel, device)
+        else:
+            parallelize(model, model.sharding_units(), *parallel, device)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights()

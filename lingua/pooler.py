@@ -3,11 +3,13 @@
 `attention`: a learned query cross-attends to the token states through a few cross-attention blocks (the CrossBERT
 predictor's blocks, read once), then the final norm. Neither the query nor the keys are rotated (no RoPE): the
 pooled vector is a content-weighted average that does not depend on where a text sits in its row. Its parameter
-names follow CrossBERT's predictor (`query` for its `mask_embedding`), so `predictor_state` warm-starts it from a
-pre-trained predictor, as the paper does. `mean`: the average of the real tokens' states, normalised.
+names are `query`, `layers.*` and `norm.*`: a pre-trained model that offers a warm start (`pooler_warm_start`:
+CrossBERT's predictor, as the paper does) gives its weights under these names. `mean`: the average of the real
+tokens' states, normalised.
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +17,15 @@ from torch import nn
 
 from lingua.args import at_least, require
 from lingua.eval.features import mean_pool
-from lingua.transformer import AttnMask, CrossAttentionBlock, RMSNorm, TransformerArgs, build_attn_bias, head_dim_of
+from lingua.transformer import (
+    AttnMask,
+    CrossAttentionBlock,
+    RMSNorm,
+    TransformerArgs,
+    build_attn_bias,
+    head_dim_of,
+    sub_network,
+)
 
 POOLERS = ("attention", "mean")
 
@@ -26,6 +36,8 @@ class PoolerArgs:
     n_layers: int = 1  # cross-attention blocks (attention); a warm start takes the predictor's depth
     n_heads: int | None = None  # default: the encoder's
     warm_start: bool = True  # initialise the attention pooler from a CrossBERT predictor when init_from has one
+
+    ARCHITECTURE: ClassVar[tuple[str, ...]] = ("n_layers", "n_heads")
 
     def __post_init__(self):
         require(self.kind in POOLERS, "kind", f"must be one of {', '.join(POOLERS)}, got '{self.kind}'")
@@ -66,17 +78,4 @@ def mean_pool_normalised(hidden: torch.Tensor, pad_mask: torch.Tensor) -> torch.
 
 def pooler_transformer(args: PoolerArgs, encoder: TransformerArgs) -> TransformerArgs:
     """The attention pooler's block shapes: the encoder's width, norms and backend; its own depth and heads."""
-    n_heads = args.n_heads or encoder.n_heads
-    head_dim = encoder.head_dim if n_heads == encoder.n_heads else None
-    return TransformerArgs(**{**vars(encoder), "n_layers": args.n_layers, "n_heads": n_heads, "head_dim": head_dim})
-
-
-def predictor_state(predictor: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A CrossBERT predictor's weights (its state dict) under the attention pooler's names: the mask embedding
-    becomes the query; the blocks and the final norm keep their names."""
-    renamed = {("query" if name == "mask_embedding" else name): value for name, value in predictor.items()}
-    extra = sorted(name for name in renamed if name.startswith(("context_proj.", "output_proj.")))
-    if extra:
-        raise ValueError(f"the predictor is narrower or wider than the encoder ({extra[0]}): it cannot warm-start "
-                         "a pooler of the encoder's width")
-    return renamed
+    return sub_network(encoder, args.n_layers, n_heads=args.n_heads)

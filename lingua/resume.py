@@ -9,6 +9,7 @@ from lingua.args import UserError, config_changes, to_dict
 from lingua.checkpoint import Checkpoint, CheckpointManager, DamagedCheckpoint
 from lingua.distributed import Launch, agreed_failure, barrier, broadcast_object, on_every_rank
 from lingua.optim import lr_at
+from lingua.transformer import architecture_fields
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +70,6 @@ def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, args) -> s
     return None
 
 
-ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "norm_eps", "rope_theta",
-                     "scale_embeddings", "output_bias")
-
-
 def check_same_model(checkpoint: Checkpoint, model, app: App, args) -> None:
     """The checkpoint is of this app, its tensors fit the model, and no architecture setting changed (some, like
     n_heads at a fixed dim, change the computation but not the shapes)."""
@@ -87,11 +84,11 @@ def check_same_model(checkpoint: Checkpoint, model, app: App, args) -> None:
 
 
 def architecture_changes(old_config: dict, args) -> list[str]:
-    """'key old -> new' for each architecture setting (and the tokenizer) that differs from a saved config."""
+    """'key old -> new' for each architecture field of the model (its config classes' `ARCHITECTURE`) and the
+    tokenizer that differs from a saved config."""
     changes = config_changes(old_config, to_dict(args))
-    architecture = [key for key in changes if key == "data.tokenizer.name"
-                    or (key.startswith("model.") and key.rsplit(".", 1)[-1] in ARCHITECTURE_KEYS)]
-    return [f"{key} {changes[key][0]} -> {changes[key][1]}" for key in architecture]
+    architecture = {"data.tokenizer.name", *architecture_fields(args.model, "model.")}
+    return [f"{key} {old} -> {new}" for key, (old, new) in changes.items() if key in architecture]
 
 
 def _set_aside(checkpoints: CheckpointManager, path: Path, error: DamagedCheckpoint) -> None:

@@ -26,6 +26,23 @@ class PowerLaw:
 
 
 @dataclass(frozen=True)
+class ScalingLaws:
+    """An app's laws (section 5.1): the batch size BSZ (token-views per step) and the learning rate as power laws of
+    the compute C, and the family of shapes a plan chooses from."""
+
+    bsz: PowerLaw
+    lr: PowerLaw
+    bsz_compute: float = 1.0  # the BSZ law is read at C x this (Appendix J's CrossBERT BSZ column follows C / 2)
+    shapes_of: str = ""  # the app whose configs/scaling_*.yaml give the shapes (default: the app's own)
+
+
+# The paper's fits (section 5.1; BSZ in token-views). Appendix J's CrossBERT BSZ column follows its law at C / 2
+# (within 1%), its LR column at C.
+BERT_LAWS = ScalingLaws(bsz=PowerLaw(17.38, 0.24), lr=PowerLaw(69.18, -0.24))
+CROSSBERT_LAWS = ScalingLaws(bsz=PowerLaw(1e4, 0.092), lr=PowerLaw(564.6, -0.279), bsz_compute=0.5)
+
+
+@dataclass(frozen=True)
 class Fit:
     law: PowerLaw
     coefficient_log10_stderr: float  # standard error of log10(coefficient)

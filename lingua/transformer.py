@@ -10,9 +10,11 @@ score computed across parts.
 Models are built on the meta device and materialised by `init_weights` (truncated normal, std `init_std`).
 """
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,10 @@ class TransformerArgs:
     scale_embeddings: bool = True  # token embeddings enter the residual stream times sqrt(dim); false: unscaled
     output_bias: bool = False  # a learned per-token bias in the tied output head (zero at init)
 
+    # The fields that make another model (a checkpoint of different ones is refused on resume), not another run.
+    ARCHITECTURE: ClassVar[tuple[str, ...]] = ("dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "norm_eps",
+                                               "rope_theta", "scale_embeddings", "output_bias")
+
     def __post_init__(self):
         at_least(self, 1, "dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "max_seqlen")
         at_least(self, 0, "head_chunk")
@@ -50,6 +56,34 @@ class TransformerArgs:
                 f"must be one of {', '.join(ATTN_BACKENDS)}, got '{self.attn_backend}'")
         require(self.head_dim is not None or self.dim % self.n_heads == 0, "dim",
                 f"{self.dim} is not divisible by n_heads {self.n_heads}; set head_dim")
+
+
+def sub_network(encoder: TransformerArgs, n_layers: int, dim: int | None = None, n_heads: int | None = None,
+                head_dim: int | None = None, rope_theta: float | None = None) -> TransformerArgs:
+    """The shapes of a network beside the encoder (CrossBERT's predictor, ELECTRA's generator, an attention pooler):
+    its own depth; the encoder's width, heads and RoPE base unless given; the encoder's head size unless given, when
+    width and heads are the encoder's (else dim // n_heads); the encoder's norms, init and attention backend."""
+    dim, n_heads = dim or encoder.dim, n_heads or encoder.n_heads
+    same_heads = (dim, n_heads) == (encoder.dim, encoder.n_heads)
+    return dataclasses.replace(encoder, n_layers=n_layers, dim=dim, n_heads=n_heads,
+                               head_dim=head_dim or (encoder.head_dim if same_heads else None),
+                               rope_theta=rope_theta or encoder.rope_theta)
+
+
+def quarter_depth(encoder: TransformerArgs) -> int:
+    """The default depth of a network beside the encoder: a quarter of the encoder's, at least one block."""
+    return max(1, encoder.n_layers // 4)
+
+
+def architecture_fields(args, prefix: str = "") -> list[str]:
+    """The dotted keys of every architecture field in a tree of config dataclasses (each class lists its own in
+    `ARCHITECTURE`)."""
+    keys = [f"{prefix}{name}" for name in getattr(type(args), "ARCHITECTURE", ())]
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += architecture_fields(value, f"{prefix}{f.name}.")
+    return keys
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int) -> int:

@@ -8,12 +8,11 @@ gathered by index, so no tensor shape depends on the random draw and torch.compi
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
-
+from lingua.app import AppModel
 from lingua.args import require
 from lingua.flops import encoder_flops_per_token, output_head_flops
 from lingua.masking import gather_tokens, masked_positions
-from lingua.transformer import Encoder, TransformerArgs, default_positions, init_weights
+from lingua.transformer import Encoder, TransformerArgs, default_positions
 
 
 @dataclass
@@ -25,9 +24,7 @@ class BertArgs:
         require(0 < self.mask_ratio < 1, "mask_ratio", f"must be strictly between 0 and 1, got {self.mask_ratio}")
 
 
-class Bert(nn.Module):
-    views_per_sequence = 1  # each data token is processed once per step
-
+class Bert(AppModel):
     def __init__(self, args: BertArgs, vocab_size: int, mask_id: int):
         super().__init__()
         self.args, self.mask_id = args, mask_id
@@ -45,29 +42,12 @@ class Bert(nn.Module):
         h = self.encoder(inputs, default_positions(inputs))
         return self.encoder.lm_loss(gather_tokens(h, mask_idx), targets)
 
-    def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        return batch["targets"].numel()
-
-    @property
-    def backbone(self) -> Encoder:
-        return self.encoder
-
-    def encode(self, tokens, pad_mask=None, all_layers: bool = False):
-        return self.encoder.encode(tokens, pad_mask, all_layers)
-
     def flops_per_token_view(self, seq_len: int) -> float:
         return encoder_flops_per_token(self.args.encoder, seq_len)
 
     def head_flops_per_token_view(self, seq_len: int) -> float:
         return output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings) * \
             self.args.mask_ratio
-
-    def sharding_units(self) -> list[nn.Module]:
-        """The modules FSDP shards (and compiles, and checkpoints) one by one; the rest stays with the root."""
-        return list(self.encoder.layers)
-
-    def init_weights(self) -> None:
-        init_weights(self, self.args.encoder.init_std)
 
 
 def build_bert(args: BertArgs, tokenizer) -> Bert:

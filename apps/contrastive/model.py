@@ -22,15 +22,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.nn.functional import all_gather
 
+from lingua.app import AppModel
 from lingua.args import UserError, from_dict, require, to_dict
-from lingua.checkpoint import Checkpoint
+from lingua.checkpoint import Checkpoint, build_from_params
 from lingua.flops import encoder_flops_per_token
-from lingua.pooler import AttentionPooler, PoolerArgs, mean_pool_normalised, pooler_transformer, predictor_state
-from lingua.transformer import Encoder, TransformerArgs, head_dim_of, init_weights, trunc_normal_
+from lingua.pooler import AttentionPooler, PoolerArgs, mean_pool_normalised, pooler_transformer
+from lingua.transformer import Encoder, TransformerArgs, head_dim_of, trunc_normal_
 
 RUNTIME_KEYS = ("attn_backend", "head_chunk")  # the encoder's settings that are this run's choice, not the model's
 
@@ -53,8 +53,7 @@ def info_nce(queries: torch.Tensor, passages: torch.Tensor, targets: torch.Tenso
     return F.cross_entropy(logits, targets), (logits.argmax(1) == targets).float().mean()
 
 
-class Contrastive(nn.Module):
-    views_per_sequence = 1  # a row (a query and its passages) is one view of itself
+class Contrastive(AppModel):
 
     def __init__(self, args: ContrastiveArgs, vocab_size: int, pad_id: int):
         super().__init__()
@@ -64,10 +63,6 @@ class Contrastive(nn.Module):
         self.pooler = AttentionPooler(pooler_transformer(args.pooler, args.encoder)) if attention else None
         if args.frozen:
             self.encoder.requires_grad_(False)
-
-    @property
-    def backbone(self) -> Encoder:
-        return self.encoder
 
     def make_batch(self, rows: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         return {"rows": rows}  # no random draw: the negatives are in the data
@@ -97,9 +92,6 @@ class Contrastive(nn.Module):
     def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["rows"].shape[0]  # one prediction per query: which passage is its positive
 
-    def encode(self, tokens, pad_mask=None, all_layers: bool = False):
-        return self.encoder.encode(tokens, pad_mask, all_layers)
-
     def flops_per_token_view(self, seq_len: int) -> float:
         """Per padded token of a text: the backbone's eq. 7 (forward only when frozen: a third), plus the pooler's
         key and value projections of the token (forward and backward; its single query's cost is left out)."""
@@ -112,11 +104,8 @@ class Contrastive(nn.Module):
     def head_flops_per_token_view(self, seq_len: int) -> float:
         return 0.0  # no output head
 
-    def sharding_units(self) -> list[nn.Module]:
-        return [*self.encoder.layers, *(self.pooler.layers if self.pooler is not None else [])]
-
     def init_weights(self) -> None:
-        init_weights(self, self.args.encoder.init_std)
+        super().init_weights()
         if self.pooler is not None:
             trunc_normal_(self.pooler.query, self.args.encoder.init_std)
 
@@ -136,15 +125,21 @@ def configure(args):
     if not Path(args.init_from).exists():
         raise UserError(f"init_from not found: {args.init_from} (the pre-trained run this run starts from)")
     checkpoint = Checkpoint.open(args.init_from)
-    source, shapes = checkpoint.config, checkpoint.shapes
+    source = checkpoint.config
     encoder = {k: v for k, v in source["model"]["encoder"].items() if k not in RUNTIME_KEYS}
     model = replace(args.model, encoder=replace(args.model.encoder, **encoder))
-    predictor_layers = {name.split(".")[2] for name in shapes if name.startswith("predictor.layers.")}
-    if model.pooler.kind == "attention" and model.pooler.warm_start and predictor_layers:
-        n_heads = (source["model"].get("predictor") or {}).get("n_heads") or model.encoder.n_heads
-        model = replace(model, pooler=replace(model.pooler, n_layers=len(predictor_layers), n_heads=n_heads))
+    pretrained = build_from_params(checkpoint.params, "meta")[0]  # shapes only: no weight is read
+    if _warm_starts(model.pooler, pretrained):
+        shape, _ = pretrained.pooler_warm_start()
+        model = replace(model, pooler=replace(model.pooler, n_layers=shape.n_layers, n_heads=shape.n_heads))
     tokenizer = from_dict(type(args.data.tokenizer), source["data"]["tokenizer"])
     return replace(args, model=model, data=replace(args.data, tokenizer=tokenizer))
+
+
+def _warm_starts(pooler: PoolerArgs, pretrained) -> bool:
+    """An attention pooler warm-starts from a pre-trained model that offers it (`pooler_warm_start`: CrossBERT's
+    predictor)."""
+    return pooler.kind == "attention" and pooler.warm_start and hasattr(pretrained, "pooler_warm_start")
 
 
 def load_pretrained(checkpoint: Checkpoint, model: Contrastive) -> dict:
@@ -153,12 +148,8 @@ def load_pretrained(checkpoint: Checkpoint, model: Contrastive) -> dict:
     source, config, _ = checkpoint.load("cpu")
     path = checkpoint.path
     state = {f"encoder.{k}": v for k, v in source.backbone.state_dict().items()}
-    predictor = getattr(source, "predictor", None)
-    if model.pooler is not None and model.args.pooler.warm_start and predictor is not None:
-        try:
-            state |= {f"pooler.{k}": v for k, v in predictor_state(predictor.state_dict()).items()}
-        except ValueError as e:
-            raise UserError(f"{path}: {e}") from None
+    if model.pooler is not None and _warm_starts(model.args.pooler, source):
+        state |= {f"pooler.{k}": v for k, v in source.pooler_warm_start()[1].items()}
     expected = dict(model.state_dict())
     mismatched = sorted(k for k, v in state.items() if k not in expected or expected[k].shape != v.shape)
     if mismatched:

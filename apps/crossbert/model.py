@@ -16,13 +16,14 @@ the whole row with a dense view mask instead, which gives the same outputs at ab
 as the reference the tests compare against, and for the benchmark).
 """
 
-import dataclasses
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from lingua.args import at_least, require
+from lingua.app import AppModel
+from lingua.args import UserError, at_least, require
 from lingua.flops import encoder_flops_per_token, non_embedding_params, output_head_flops
 from lingua.masking import num_masked, random_positions
 from lingua.transformer import (
@@ -35,7 +36,8 @@ from lingua.transformer import (
     TransformerArgs,
     build_attn_bias,
     head_dim_of,
-    init_weights,
+    quarter_depth,
+    sub_network,
     trunc_normal_,
 )
 
@@ -50,6 +52,8 @@ class PredictorArgs:
     n_heads: int | None = None  # default: the encoder's
     head_dim: int | None = None  # default: the encoder's when dim and heads are, else dim // n_heads
     rope_theta: float | None = None  # default: the encoder's (docs/crossbert_slow_start.md: a lower base on bytes)
+
+    ARCHITECTURE: ClassVar[tuple[str, ...]] = ("n_layers", "dim", "n_heads", "head_dim", "rope_theta")
 
     def __post_init__(self):
         at_least(self, 1, "n_layers", "dim", "n_heads", "head_dim", "rope_theta")
@@ -73,17 +77,9 @@ class CrossBertArgs:
 
     def predictor_transformer(self) -> TransformerArgs:
         """The predictor's block shapes and RoPE base; norms, init and attention backend are the encoder's."""
-        enc, pred = self.encoder, self.predictor
-        dim, n_heads = pred.dim or enc.dim, pred.n_heads or enc.n_heads
-        same_heads = (dim, n_heads) == (enc.dim, enc.n_heads)
-        return dataclasses.replace(
-            enc,
-            n_layers=pred.n_layers if pred.n_layers is not None else max(1, enc.n_layers // 4),
-            dim=dim,
-            n_heads=n_heads,
-            head_dim=pred.head_dim or (enc.head_dim if same_heads else None),
-            rope_theta=pred.rope_theta or enc.rope_theta,
-        )
+        pred = self.predictor
+        return sub_network(self.encoder, pred.n_layers or quarter_depth(self.encoder), pred.dim, pred.n_heads,
+                           pred.head_dim, pred.rope_theta)
 
 
 def predictor_flops_per_token(predictor: TransformerArgs, encoder_dim: int, seq_len: int) -> float:
@@ -141,7 +137,7 @@ def view_ids(lengths: tuple[int, int], device) -> torch.Tensor:
     return torch.cat([torch.full((n,), view, device=device) for view, n in enumerate(lengths)])[None]
 
 
-class CrossBert(nn.Module):
+class CrossBert(AppModel):
     def __init__(self, args: CrossBertArgs, vocab_size: int):
         super().__init__()
         self.args = args
@@ -188,17 +184,6 @@ class CrossBert(nn.Module):
                                       for lengths in (encoder_lengths, query_lengths))
         return AttnMask(encoder_views, encoder_views), AttnMask(query_views, encoder_views)
 
-    def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        return batch["targets"].numel()
-
-    @property
-    def backbone(self) -> Encoder:
-        return self.encoder
-
-    def encode(self, tokens, pad_mask=None, all_layers: bool = False):
-        """The encoder on the full, unmasked sequence (evaluation)."""
-        return self.encoder.encode(tokens, pad_mask, all_layers)
-
     def flops_per_token_view(self, seq_len: int) -> float:
         return crossbert_flops_per_token_view(
             self.args.encoder, self.args.predictor_transformer(), self.args.mask_ratio, seq_len, self.args.cms
@@ -209,13 +194,22 @@ class CrossBert(nn.Module):
         predicted = 0.5 if self.args.cms else self.args.mask_ratio
         return output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings) * predicted
 
-    def sharding_units(self) -> list[nn.Module]:
-        """The modules FSDP shards (and compiles, and checkpoints) one by one; the rest stays with the root."""
-        return [*self.encoder.layers, *self.predictor.layers]
-
     def init_weights(self) -> None:
-        init_weights(self, self.args.encoder.init_std)
+        super().init_weights()
         trunc_normal_(self.predictor.mask_embedding, self.args.encoder.init_std)
+
+    def pooler_warm_start(self) -> tuple[TransformerArgs, dict[str, torch.Tensor]]:
+        """The predictor re-used as a warm-started attention pooler (paper section 3, Appendix D): its block shapes,
+        and its weights under the pooler's names (lingua/pooler.py; the mask embedding becomes the query). The
+        pooler has the encoder's width, so a predictor of another width cannot start one."""
+        predictor = self.predictor
+        if predictor.args.dim != self.args.encoder.dim:
+            raise UserError(f"the predictor's width ({predictor.args.dim}) is not the encoder's "
+                            f"({self.args.encoder.dim}): it cannot warm-start a pooler of the encoder's width")
+        state = {"query": predictor.mask_embedding,
+                 **{f"layers.{k}": v for k, v in predictor.layers.state_dict().items()},
+                 **{f"norm.{k}": v for k, v in predictor.norm.state_dict().items()}}
+        return predictor.args, state
 
 
 def build_crossbert(args: CrossBertArgs, tokenizer) -> CrossBert:

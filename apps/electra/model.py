@@ -12,12 +12,14 @@ the corrupted sequence original or replaced. Loss = MLM loss of the generator + 
 - A sampled token equal to the original counts as original.
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lingua.app import AppModel
 from lingua.args import at_least, require
 from lingua.flops import encoder_flops_per_token, output_head_flops
 from lingua.masking import gather_tokens, masked_lm_loss, masked_positions
@@ -29,7 +31,8 @@ from lingua.transformer import (
     TransformerArgs,
     default_positions,
     head_dim_of,
-    init_weights,
+    quarter_depth,
+    sub_network,
 )
 
 
@@ -39,6 +42,8 @@ class GeneratorArgs:
 
     n_layers: int | None = None  # default: a quarter of the discriminator's depth, at least one layer
     n_heads: int | None = None  # default: the discriminator's
+
+    ARCHITECTURE: ClassVar[tuple[str, ...]] = ("n_layers", "n_heads")
 
     def __post_init__(self):
         at_least(self, 1, "n_layers", "n_heads")
@@ -56,10 +61,8 @@ class ElectraArgs:
         require(self.rtd_weight >= 0, "rtd_weight", f"must be >= 0, got {self.rtd_weight}")
 
     def generator_transformer(self) -> TransformerArgs:
-        enc, gen = self.encoder, self.generator
-        n_heads = gen.n_heads or enc.n_heads
-        return replace(enc, n_layers=gen.n_layers or max(1, enc.n_layers // 4), n_heads=n_heads,
-                       head_dim=enc.head_dim if n_heads == enc.n_heads else None)
+        return sub_network(self.encoder, self.generator.n_layers or quarter_depth(self.encoder),
+                           n_heads=self.generator.n_heads)
 
 
 class Generator(nn.Module):
@@ -93,8 +96,8 @@ def corrupt(tokens: torch.Tensor, mask_idx: torch.Tensor, sampled: torch.Tensor)
     return corrupted, (corrupted != tokens).float()
 
 
-class Electra(nn.Module):
-    views_per_sequence = 1  # each data token is processed once per step, by both networks
+class Electra(AppModel):
+    backbone_name = "discriminator"  # what evaluation reads, on the uncorrupted sequence
 
     def __init__(self, args: ElectraArgs, vocab_size: int, mask_id: int):
         super().__init__()
@@ -136,14 +139,6 @@ class Electra(nn.Module):
     def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["tokens"].numel()  # the discriminator labels every token
 
-    @property
-    def backbone(self) -> Encoder:
-        return self.discriminator
-
-    def encode(self, tokens, pad_mask=None, all_layers: bool = False):
-        """The discriminator on the full, uncorrupted sequence (evaluation)."""
-        return self.discriminator.encode(tokens, pad_mask, all_layers)
-
     def flops_per_token_view(self, seq_len: int) -> float:
         """Eq. 7 for the discriminator and for the generator (both process every token), plus the generator's tied
         output head on its masked positions, 6 d V r per token: a large share of a small generator's cost, and with
@@ -157,12 +152,6 @@ class Electra(nn.Module):
     def head_flops_per_token_view(self, seq_len: int) -> float:
         """The RTD head on every token (the generator's head is already in `flops_per_token_view`)."""
         return output_head_flops(self.args.encoder.dim, 1)
-
-    def sharding_units(self) -> list[nn.Module]:
-        return [*self.discriminator.layers, *self.generator.layers]
-
-    def init_weights(self) -> None:
-        init_weights(self, self.args.encoder.init_std)
 
 
 def build_electra(args: ElectraArgs, tokenizer) -> Electra:
