@@ -19,27 +19,24 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import yaml
 
-from lingua.app import app_variant
+from lingua.app import app_variant, build_model, load_app
 from lingua.args import UserError, at_least, command_line, load_config, require, to_dict
-from lingua.app import build_model
 from lingua.distributed import DistributedArgs, Launch, resolve_device
-from lingua.parallel import autocast
 from lingua.files import atomic_write
 from lingua.flops import encoder_flops_per_token
 from lingua.masking import masked_positions, num_masked
 from lingua.metrics import LoggingArgs, peak_flops, setup_logging
 from lingua.optim import OptimArgs, build_optimizer
+from lingua.parallel import autocast
 from lingua.step import training_step
 from lingua.transformer import TransformerArgs, ffn_hidden_dim
 
 logger = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[1]
 
 PRESETS = {
     "debug": {"encoder": {"dim": 64, "n_layers": 2, "n_heads": 4, "max_seqlen": 64}, "seq_len": 64,
@@ -157,9 +154,8 @@ def build_contender_model(label: str, args: BenchmarkArgs, device: torch.device)
         for layer in model.model.model.layers if args.compile else []:
             layer.compile()  # as the apps' blocks
         return model
-    base, paper_config = {}, REPO / "apps" / name / "configs" / "single_scale.yaml"
-    if args.preset == "paper" and paper_config.exists():
-        base = yaml.safe_load(paper_config.read_text())["model"]
+    paper_config = load_app(name).config("single_scale")
+    base = yaml.safe_load(paper_config.read_text())["model"] if args.preset == "paper" and paper_config else {}
     app, model_args = app_variant(label, base | {"encoder": to_dict(args.encoder)})
     tokenizer = SimpleNamespace(vocab_size=args.vocab_size, mask_id=args.vocab_size - 1)
     parallel = (DistributedArgs(compile=args.compile), Launch())
@@ -197,7 +193,8 @@ def step(contender: Contender, args: BenchmarkArgs, device: torch.device, synchr
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     batch = contender.model.make_batch(tokens, contender.generator)
-    training_step(contender.model, contender.optimizer, [batch], OptimArgs().clip, lambda: precision(args.dtype, device))
+    training_step(contender.model, contender.optimizer, [batch], OptimArgs().clip,
+                  lambda: precision(args.dtype, device))
     if synchronise:
         torch.cuda.synchronize(device)
     return time.perf_counter() - start

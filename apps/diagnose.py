@@ -17,9 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-from lingua.app import app_variant
+from lingua.app import app_variant, build_model
 from lingua.args import at_least, command_line, load_config, require, to_dict
-from lingua.app import build_model
 from lingua.files import atomic_write
 from lingua.metrics import setup_logging
 from lingua.optim import OptimArgs, build_optimizer, lr_at, set_lr

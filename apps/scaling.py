@@ -15,9 +15,11 @@ against compute per app (probes, the paper's Figure 1; from each run's glue_eval
 of the runs by app and compute, with their final validation loss and frozen GLUE scores per task.
 """
 
+import contextlib
 import copy
 import glob
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,13 +29,13 @@ from typing import Any
 import torch
 import yaml
 
-from lingua.app import load_app
+from lingua.app import App, load_app, registered_apps, short_name
 from lingua.args import UserError, _read_yaml, command_line, load_config, require
+from lingua.checkpoint import Checkpoint
 from lingua.files import atomic_write
 from lingua.metrics import read_metrics
 from lingua.scaling import (
     TOKENS_PER_FLOP_PER_TOKEN,
-    PowerLaw,
     best_per_group,
     fit_power_law,
     nearest_shape,
@@ -41,25 +43,17 @@ from lingua.scaling import (
     plan_batch,
 )
 
-# Section 5.1. BSZ in token-views. Appendix J's CrossBERT BSZ column follows its law at C / 2 (within 1%), its LR
-# column at C: `bsz_compute` is that factor. ELECTRA: the paper fits no law of its own; it shares BERT's.
-LAWS = {
-    "bert": {"bsz": PowerLaw(17.38, 0.24), "lr": PowerLaw(69.18, -0.24), "bsz_compute": 1.0},
-    "crossbert": {"bsz": PowerLaw(1e4, 0.092), "lr": PowerLaw(564.6, -0.279), "bsz_compute": 0.5},
-}
-LAWS["electra"] = LAWS["bert"]
-SHAPE_FALLBACK = "bert"  # an app without scaling configs takes BERT's backbones (its own defaults for the rest)
-
 
 @dataclass
 class PlanArgs:
-    app: str = "crossbert"  # bert | crossbert | electra
+    app: str = "crossbert"  # any app with scaling laws (App.scaling): bert, crossbert, electra
     compute: float = 1e19  # C: training FLOPs as the paper counts them (eq. 6-8)
     gpus: int = 1
     micro_batch: int = 128  # most sequences per GPU per micro-step; sets the gradient accumulation
     grad_acc: int | None = None  # accumulation steps (default: the fewest that respect micro_batch)
     ratio: float = TOKENS_PER_FLOP_PER_TOKEN  # D / F_N: token-views per FLOP per token-view (Appendix J: 20)
-    shapes: str = ""  # a glob of configs, the family of shapes (default: apps/<app>/configs/scaling_*.yaml)
+    shapes: str = ""  # a glob of configs, the family of shapes (default: the app's configs/scaling_*.yaml, or those
+    # of the app its laws name)
     seq_len: int = 512
     out: str = ""  # write the planned config here
     dump_dir: str = ""  # of the written config (default: dump/<app>_<compute>)
@@ -101,29 +95,26 @@ class TableArgs:
 # ------------------------------------------------------------------------------------------------ plan
 
 
-def family(app_name: str, pattern: str = "") -> dict[str, dict[str, Any]]:
+def family(app: App, pattern: str = "") -> dict[str, dict[str, Any]]:
     """{config path: its config (a nested dict)} of the app's shapes."""
-    root = Path(__file__).resolve().parent
-    default = root / app_name / "configs" / "scaling_*.yaml"
+    source = load_app(app.scaling.shapes_of) if app.scaling.shapes_of else app
+    default = source.folder / "configs" / "scaling_*.yaml"
     paths = sorted(glob.glob(pattern or str(default)))
-    if not paths and not pattern:
-        paths = sorted(glob.glob(str(root / SHAPE_FALLBACK / "configs" / "scaling_*.yaml")))
     if not paths:
         raise UserError(f"no config matches shapes={pattern or default}")
     return {path: _read_yaml(path) for path in paths}
 
 
-def shape_config(app_name: str, path: str, config: dict[str, Any]) -> dict[str, Any]:
-    """The family config as a config of `app_name`: another app's config lends only its backbone."""
-    if Path(path).resolve().parents[1].name == app_name:
+def shape_config(app: App, path: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The family config as a config of `app`: another app's config lends only its backbone."""
+    if Path(path).resolve().parents[1] == app.folder.resolve():
         return config
     return {key: value for key, value in config.items() if key != "model"} | {
         "model": {"encoder": config["model"]["encoder"]}}
 
 
-def flops_and_views(app_name: str, config: dict[str, Any], seq_len: int) -> tuple[float, int]:
+def flops_and_views(app: App, config: dict[str, Any], seq_len: int) -> tuple[float, int]:
     """(F_N per token-view, token-views per sequence) of the config's model, built on the meta device."""
-    app = load_app(app_name)
     args = load_config(app.args_cls, [], base={**config, "dump_dir": config.get("dump_dir") or "unused"})
     with torch.device("meta"):
         model = app.build_model(args.model, SimpleNamespace(vocab_size=50261, mask_id=50260, pad_id=50259))
@@ -131,15 +122,17 @@ def flops_and_views(app_name: str, config: dict[str, Any], seq_len: int) -> tupl
 
 
 def plan(args: PlanArgs):
-    if args.app not in LAWS:
-        raise UserError(f"no scaling laws for app '{args.app}' (known: {', '.join(LAWS)})")
-    configs = {path: shape_config(args.app, path, config) for path, config in family(args.app, args.shapes).items()}
-    measured = {path: flops_and_views(args.app, config, args.seq_len) for path, config in configs.items()}
+    app = load_app(args.app)
+    if app.scaling is None:
+        known = ", ".join(a.short_name for a in registered_apps() if a.scaling is not None)
+        raise UserError(f"no scaling laws for app '{args.app}' (known: {known}; an app gives them as App.scaling)")
+    configs = {path: shape_config(app, path, config) for path, config in family(app, args.shapes).items()}
+    measured = {path: flops_and_views(app, config, args.seq_len) for path, config in configs.items()}
     chosen = nearest_shape(optimal_flops_per_token(args.compute, args.ratio),
                            {path: flops for path, (flops, _) in measured.items()})
     flops, views = measured[chosen]
-    laws = LAWS[args.app]
-    result = plan_batch(args.compute, flops, laws["bsz"](args.compute * laws["bsz_compute"]), laws["lr"](args.compute),
+    laws = app.scaling
+    result = plan_batch(args.compute, flops, laws.bsz(args.compute * laws.bsz_compute), laws.lr(args.compute),
                         views * args.seq_len, args.gpus, args.micro_batch, args.grad_acc)
     return chosen, configs[chosen], result
 
@@ -222,14 +215,16 @@ def read_run(dump_dir: Path) -> dict[str, Any]:
 
 
 def _app_of(dump_dir: Path) -> str:
+    """The short name of the app that trained the run: from stool's job record, else its newest checkpoint or
+    export, else the first line of its log ("MODULE: N parameters ...")."""
     job = dump_dir / "job.json"
     if job.exists():
-        return json.loads(job.read_text())["script"].split(".")[-2]
+        return short_name(json.loads(job.read_text())["script"])
+    with contextlib.suppress(UserError):
+        return short_name(Checkpoint.open(dump_dir).app_name)
     log = (dump_dir / "train.log").read_text(errors="replace") if (dump_dir / "train.log").exists() else ""
-    for name in LAWS:
-        if f"apps.{name}.train" in log:
-            return name
-    return "?"
+    found = re.search(r" (\S+): [\d,]+ parameters", log)
+    return short_name(found.group(1)) if found else "?"
 
 
 def _probe_results(dump_dir: Path) -> dict[str, dict[str, float]]:

@@ -129,7 +129,7 @@ class App:
     @property
     def short_name(self) -> str:
         """The name the tools take: `bert` for apps.bert.train, `toy` for toy.train."""
-        return self.name.removesuffix(".train").removeprefix("apps.")
+        return short_name(self.name)
 
     @property
     def folder(self) -> Path:
@@ -140,6 +140,11 @@ class App:
         """The app's configs/NAME.yaml, if it has one."""
         path = self.folder / "configs" / f"{name}.yaml"
         return path if path.exists() else None
+
+
+def short_name(module: str) -> str:
+    """An app's name from the module that defines it: `bert` for apps.bert.train, `toy` for toy.train."""
+    return module.removesuffix(".train").removeprefix("apps.")
 
 
 def load_app(name: str) -> App:

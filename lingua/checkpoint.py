@@ -33,7 +33,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,9 +40,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
-from lingua.args import UserError, at_least, from_dict
 from lingua.app import build_model
+from lingua.args import UserError, at_least, from_dict
 from lingua.distributed import all_reduce, fail_together, on_all_ranks, rank_and_world
 from lingua.files import atomic_write
 

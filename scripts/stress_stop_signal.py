@@ -67,7 +67,8 @@ def trial(data: Path, dump: Path, procs: int, rng: random.Random) -> dict:
     pids: list[int] = []
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and not ((dump / "metrics.jsonl").exists() and len(workers(launcher.pid)) == procs):
+        while time.time() < deadline and not ((dump / "metrics.jsonl").exists()
+                                              and len(workers(launcher.pid)) == procs):
             time.sleep(0.05)
         ranks = workers(launcher.pid)
         pids = list(ranks.values())
@@ -80,7 +81,8 @@ def trial(data: Path, dump: Path, procs: int, rng: random.Random) -> dict:
             return {"rank": rank, "delay_s": round(delay, 3), "outcome": "hung"}
     finally:
         kill_all(launcher, pids)
-    saved = sorted(p for p in (dump / "checkpoints").iterdir() if p.name.isdigit()) if (dump / "checkpoints").is_dir() else []
+    folder = dump / "checkpoints"
+    saved = sorted(p for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
     steps = [json.loads(p.read_text())["step"] for p in sorted(saved[-1].glob("train_state_*.json"))] if saved else []
     together = status == 0 and len(saved) == 1 and len(steps) == procs and set(steps) == {int(saved[0].name)}
     return {"rank": rank, "delay_s": round(delay, 3), "exit": status, "steps": steps,

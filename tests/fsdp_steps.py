@@ -15,12 +15,12 @@ import torch
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
-from lingua.args import load_config
 from lingua.app import build_model
+from lingua.args import load_config
 from lingua.distributed import DistributedArgs, all_reduce, destroy_process_group, detect_launch, init_process_group
 from lingua.optim import OptimArgs, build_optimizer
-from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.step import training_step
+from lingua.tokenizer import TokenizerArgs, build_tokenizer
 
 GLOBAL_ROWS, SEQ_LEN, STEPS = 8, 32, 4
 

@@ -7,21 +7,14 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from lingua.app import load_app
+from lingua.app import TEXT, build_model, load_app, registered_apps
 from lingua.args import load_config
-from lingua.app import build_model
 
 VOCAB = 64
 TINY = ["encoder.dim=32", "encoder.n_layers=2", "encoder.n_heads=4", "encoder.max_seqlen=32", "encoder.head_chunk=16"]
-APPS = {
-    "bert": [],
-    "crossbert": [],
-    "crossbert, ratio 0.65": ["mask_ratio=0.65"],
-    "crossbert, dense view mask": ["cms_attention=mask"],
-    "crossbert, no CMS": ["cms=false"],
-    "crossbert, whole logits": ["encoder.head_chunk=0"],
-    "electra": [],
-}
+# Every registered app that trains on text rows, with its defaults and each of its variants.
+APPS = {f"{app.short_name}{', ' + variant if variant else ''}": overrides
+        for app in registered_apps() if app.data is TEXT for variant, overrides in {"": [], **app.variants}.items()}
 
 
 @pytest.mark.parametrize("variant", APPS)

@@ -366,7 +366,8 @@ def test_debug_run_loss_falls_and_resumes_exactly(corpus, tmp_path):
     assert record["token_views_per_s"] == pytest.approx(2 * record["data_tokens_per_s"])
     assert record["predicted_tokens_per_s"] == pytest.approx(record["data_tokens_per_s"], rel=0.01)  # CMS: all
     model, config, tokenizer = load_model(full)  # the exported model, rebuilt through apps.crossbert.train
-    assert isinstance(model, CrossBert) and model.encode(torch.tensor([tokenizer.encode("the cat")])).shape == (1, 7, 32)
+    encoded = model.encode(torch.tensor([tokenizer.encode("the cat")]))
+    assert isinstance(model, CrossBert) and encoded.shape == (1, 7, 32)
     shutil.copytree(full, resumed)
     for later in ("0000000030", "0000000040"):
         shutil.rmtree(resumed / "checkpoints" / later)

@@ -18,12 +18,14 @@ from conftest import ENV, REPO, end, read_metrics, run_to_the_end, start, tagged
 
 from apps.bert.train import APP as BERT
 from lingua import train as loop
+from lingua.app import TEXT, registered_apps
 from lingua.args import load_config
 from lingua.checkpoint import CheckpointArgs, CheckpointManager, load_model
 from lingua.data import DataArgs, TrainLoader, repartition
 from lingua.distributed import Launch, detect_launch, first_host
 from lingua.lifecycle import RunLock
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
+
 
 def torchrun(*args, procs=2, check=True, timeout=300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", *map(str, args)]
@@ -76,10 +78,10 @@ def _train_argv(corpus: Path, dump: Path, steps: int, *extra) -> list[str]:
     return [*tiny_argv(corpus, dump, steps), "checkpoint.every=10", *extra]
 
 
-@pytest.mark.parametrize("app", ["bert", "crossbert", "electra"])
+@pytest.mark.parametrize("app", [app.name for app in registered_apps() if app.data is TEXT])
 def test_torchrun_trains_and_writes_once(corpus, tmp_path, app):
     dump = tmp_path / "run"
-    result = torchrun("-m", f"apps.{app}.train", *_train_argv(corpus, dump, 12))
+    result = torchrun("-m", app, *_train_argv(corpus, dump, 12))
     metrics = read_metrics(dump)
     assert sorted(metrics) == list(range(1, 13))  # one line per step: rank 0 alone writes
     assert metrics[12]["data_tokens"] == 12 * 2 * 8 * 32  # both ranks' tokens

@@ -27,7 +27,6 @@ from lingua.lifecycle import RunLock
 from lingua.optim import lr_at
 
 
-
 def run_main(argv, capsys, app=BERT) -> tuple[int, str]:
     """Exit status and stderr of the training command."""
     try:

@@ -14,7 +14,6 @@ from apps.bert.train import BertTrainArgs
 from apps.crossbert.model import CrossBertArgs
 from apps.crossbert.train import CrossBertTrainArgs
 from apps.eval import glue as glue_command
-from lingua.eval import features, glue
 from lingua.args import UserError, to_dict
 from lingua.checkpoint import (
     CheckpointArgs,
@@ -23,6 +22,7 @@ from lingua.checkpoint import (
     export_consolidated,
 )
 from lingua.data import DataArgs
+from lingua.eval import features, glue
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.transformer import TransformerArgs
 

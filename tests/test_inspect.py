@@ -12,8 +12,8 @@ from apps.bert.train import APP as BERT
 from apps.crossbert.inspect import attention_weights, inspect, main
 from apps.crossbert.model import CrossBertArgs, PredictorArgs, build_crossbert
 from apps.crossbert.train import APP as CROSSBERT
-from lingua.args import load_config
 from lingua.app import build_model
+from lingua.args import load_config
 from lingua.train import train
 from lingua.transformer import TransformerArgs
 from tests.conftest import tiny_argv, write_corpus

@@ -81,6 +81,7 @@ def tiny_tasks():
 def test_tiny_tasks_score_through_mtebs_evaluation_and_resume(tmp_path):
     pytest.importorskip("mteb")
     import mteb
+
     from lingua.eval.mteb import MtebEncoder, run_mteb
 
     embedder = HashedBagOfWords()

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from apps.bert.train import APP as BERT
-from apps.crossbert.train import APP as CROSSBERT
-from apps.electra.train import APP as ELECTRA
+from lingua.app import TEXT, registered_apps
 from lingua.args import load_config
 from lingua.tokenizer import default_tokenizer_dir
 from lingua.train import train
@@ -25,12 +23,16 @@ needs_real_pieces = pytest.mark.skipif(
 )
 
 
+# Every registered app that pre-trains on text and ships a debug config.
+PRETRAINING = {app.short_name: app for app in registered_apps() if app.data is TEXT and app.config("debug")}
+
+
 @needs_real_pieces
-@pytest.mark.parametrize("name, app", [("bert", BERT), ("crossbert", CROSSBERT), ("electra", ELECTRA)])
-def test_debug_config_trains_on_the_sample(name, app, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", PRETRAINING)
+def test_debug_config_trains_on_the_sample(name, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the configs name data/ relative to the repository root
-    dump = tmp_path / "run"
-    argv = [f"config={REPO / 'apps' / name / 'configs' / 'debug.yaml'}",
+    app, dump = PRETRAINING[name], tmp_path / "run"
+    argv = [f"config={app.config('debug')}",
             f"dump_dir={dump}", "steps=12", "logging.freq=4", "validation.every=12", "validation.n_sequences=8",
             "optim.warmup=4"]
     if REAL_GLUE.is_dir():

@@ -88,7 +88,7 @@ def test_fit_is_exact_on_exact_data_and_refuses_one_point():
 
 
 def test_best_per_group_keeps_the_lowest_scores_of_each_size():
-    runs = [{"size": s, "loss": l} for s, l in [("a", 3), ("a", 1), ("a", 2), ("a", 4), ("b", 5)]]
+    runs = [{"size": s, "loss": loss} for s, loss in [("a", 3), ("a", 1), ("a", 2), ("a", 4), ("b", 5)]]
     assert [r["loss"] for r in best_per_group(runs, "size", "loss", keep=3)] == [1, 2, 3, 5]
 
 

@@ -7,11 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 from scipy import stats
+from test_retrieval import DATA, BagOfWords
 
 from lingua.args import UserError
-from lingua.eval.sts import (evaluate_sts, find_sts_sets, read_semeval_sts, read_sick, read_sts_benchmark,
-                             read_sts_jsonl)
-from test_retrieval import DATA, BagOfWords
+from lingua.eval.sts import evaluate_sts, find_sts_sets, read_semeval_sts, read_sick, read_sts_benchmark, read_sts_jsonl
 
 
 def write(path: Path, text: str, newline: str = "\n") -> Path:

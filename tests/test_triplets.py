@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 import numpy as np
 import pytest
+from test_retrieval import DATA, BagOfWords, write_beir
 
 from lingua.args import UserError
 from lingua.eval.triplets import (
@@ -21,7 +22,6 @@ from lingua.eval.triplets import (
     triplets_from_rows,
     write_triplets,
 )
-from test_retrieval import DATA, BagOfWords, write_beir
 
 
 def test_bm25_against_hand_computed_scores():

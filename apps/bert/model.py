@@ -8,6 +8,7 @@ gathered by index, so no tensor shape depends on the random draw and torch.compi
 from dataclasses import dataclass, field
 
 import torch
+
 from lingua.app import AppModel
 from lingua.args import require
 from lingua.flops import encoder_flops_per_token, output_head_flops

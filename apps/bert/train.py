@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 from apps.bert.model import BertArgs, build_bert
+from lingua.scaling import BERT_LAWS
 from lingua.train import App, TrainArgs, main
 
 
@@ -11,7 +12,7 @@ class BertTrainArgs(TrainArgs):
     model: BertArgs = field(default_factory=BertArgs)
 
 
-APP = App(name="apps.bert.train", args_cls=BertTrainArgs, build_model=build_bert)
+APP = App(name="apps.bert.train", args_cls=BertTrainArgs, build_model=build_bert, scaling=BERT_LAWS)
 
 if __name__ == "__main__":
     main(APP)

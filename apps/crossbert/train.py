@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 from apps.crossbert.model import CrossBertArgs, build_crossbert
+from lingua.scaling import CROSSBERT_LAWS
 from lingua.train import App, TrainArgs, main
 
 
@@ -11,7 +12,10 @@ class CrossBertTrainArgs(TrainArgs):
     model: CrossBertArgs = field(default_factory=CrossBertArgs)
 
 
-APP = App(name="apps.crossbert.train", args_cls=CrossBertTrainArgs, build_model=build_crossbert)
+VARIANTS = {"ratio 0.65": ["mask_ratio=0.65"], "dense view mask": ["cms_attention=mask"], "no CMS": ["cms=false"],
+            "whole logits": ["encoder.head_chunk=0"]}
+APP = App(name="apps.crossbert.train", args_cls=CrossBertTrainArgs, build_model=build_crossbert,
+          scaling=CROSSBERT_LAWS, variants=VARIANTS)
 
 if __name__ == "__main__":
     main(APP)

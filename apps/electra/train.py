@@ -1,8 +1,9 @@
 """Train ELECTRA: python -m apps.electra.train config=apps/electra/configs/debug.yaml [key=value ...]"""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from apps.electra.model import ElectraArgs, build_electra
+from lingua.scaling import BERT_LAWS
 from lingua.train import App, TrainArgs, main
 
 
@@ -11,7 +12,9 @@ class ElectraTrainArgs(TrainArgs):
     model: ElectraArgs = field(default_factory=ElectraArgs)
 
 
-APP = App(name="apps.electra.train", args_cls=ElectraTrainArgs, build_model=build_electra)
+# The paper fits no law for ELECTRA: it takes BERT's, on BERT's backbones.
+APP = App(name="apps.electra.train", args_cls=ElectraTrainArgs, build_model=build_electra,
+          scaling=replace(BERT_LAWS, shapes_of="bert"))
 
 if __name__ == "__main__":
     main(APP)

@@ -14,14 +14,13 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-
 from lingua.args import UserError, command_line, load_config
 from lingua.checkpoint import Checkpoint
 from lingua.distributed import resolve_device
-from lingua.files import atomic_write
 from lingua.eval.features import FeatureCache
 from lingua.eval.glue import GlueEvalArgs, check_args, evaluate_glue
 from lingua.eval.report import format_table
+from lingua.files import atomic_write
 from lingua.metrics import setup_logging
 
 

@@ -244,7 +244,8 @@ class TripletArgs:
     skip_top: int = 0  # best-ranked non-positive documents skipped (likely unjudged positives)
 
     def __post_init__(self):
-        require(bool(self.beir) != bool(self.hub), "beir", "or hub must be set, not both: a BEIR folder, or hub=msmarco")
+        require(bool(self.beir) != bool(self.hub), "beir",
+                "or hub must be set, not both: a BEIR folder, or hub=msmarco")
         require(bool(self.out), "out", "must name the JSONL file to write")
         at_least(self, 1, "n_negatives")
         at_least(self, 0, "skip_top", "max_queries")
