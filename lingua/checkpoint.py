@@ -232,20 +232,8 @@ class CheckpointManager:
         return short_reason(error)
 
     def load(self, path: Path, model: nn.Module, optimizer) -> list[dict]:
-        """Loads model and optimizer in place (on any world size: DCP reshards); returns the train state of every
-        rank that saved it. DamagedCheckpoint if it cannot. Called by every rank."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        try:
-            with _dcp_quietly():
-                dcp.load(state, checkpoint_id=str(path))
-        except (Exception, CheckpointException) as e:
-            raise DamagedCheckpoint(short_reason(e)) from None
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        if not parameters_finite(model, optimizer):  # bytes corrupted in place (the size is right)
-            raise DamagedCheckpoint("its weights or optimizer state are not all finite")
-        keys = {"step": int, "data_tokens": int, "data": dict}
-        return [_read_json(file, keys) for file in sorted(path.glob("train_state_*.json"))]
+        """Resumes from one of this run's checkpoints (`Checkpoint.load_training`). Called by every rank."""
+        return Checkpoint.read(path).load_training(model, optimizer)
 
     def _prune(self) -> None:
         """Deletes the checkpoints beyond `keep`; one that cannot be deleted is named and left (as `.deleting`,
@@ -374,6 +362,24 @@ class Checkpoint:
                 set_model_state_dict(model, self._weights, options=StateDictOptions(full_state_dict=True))
         except (Exception, CheckpointException) as e:
             raise UserError(f"checkpoint {self.path} is damaged: {short_reason(e)}") from None
+
+    def load_training(self, model: nn.Module, optimizer) -> list[dict]:
+        """Model and optimizer in place, to resume training (on any world size: DCP reshards); the train state of
+        every rank that saved the checkpoint. DamagedCheckpoint if it cannot. Called by every rank."""
+        if self._weights is not None:
+            raise UserError(f"{self.path} holds weights only (no optimizer state): it cannot be resumed")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        try:
+            with _dcp_quietly():
+                dcp.load(state, checkpoint_id=str(self.path))
+        except (Exception, CheckpointException) as e:
+            raise DamagedCheckpoint(short_reason(e)) from None
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if not parameters_finite(model, optimizer):  # bytes corrupted in place (the size is right)
+            raise DamagedCheckpoint("its weights or optimizer state are not all finite")
+        keys = {"step": int, "data_tokens": int, "data": dict}
+        return [_read_json(file, keys) for file in sorted(self.path.glob("train_state_*.json"))]
 
     def load(self, device: str | torch.device = "cpu"):
         """The trained model (eval mode), its config and its tokenizer, built from the checkpoint's own config."""
