@@ -97,7 +97,7 @@ class DataPipeline:
     every function takes the config's `data` section."""
 
     build_loader: Callable  # (data args, tokenizer, rank, world_size, state or None) -> endless iterator of batches
-    # with state_dict() (plain JSON: where the next batch starts), malformed_lines, close() and the context protocol
+    # with state_dict() (plain JSON: where the next batch starts), malformed_lines and close()
     load_validation: Callable  # (data args, tokenizer, n_rows) -> fixed validation rows, the batch first
     repartition: Callable  # (states saved by N ranks, world_size, data args) -> one state per new rank
     row_shape: Callable  # (data args) -> the shape of one row of a batch, e.g. (seq_len,)

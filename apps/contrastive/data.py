@@ -137,12 +137,6 @@ class TripletLoader:
     def close(self) -> None:
         self.file.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def build_triplet_loader(args: TripletDataArgs, tokenizer, rank: int, world_size: int,
                          state: dict | None = None) -> TripletLoader:
