@@ -22,10 +22,11 @@ def autocast(device: torch.device):
 
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], args: DistributedArgs, launch: Launch,
-                device: torch.device) -> nn.Module:
+                device: torch.device, mixed_precision: bool | None = None) -> nn.Module:
     """Activation checkpointing and compile per block, then FSDP2 per block and at the root (which keeps the
     embedding, the tied head and everything outside the blocks). Applied on the meta device, before the weights
-    are materialised; parameter names are unchanged."""
+    are materialised; parameter names are unchanged. `mixed_precision` (default: on GPUs) gathers parameters in
+    bf16 and reduces gradients in fp32."""
     for block in blocks:
         if args.activation_checkpointing != "none":
             _checkpoint_activations(block, args.activation_checkpointing)
@@ -35,8 +36,10 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], args: DistributedArgs
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
         mesh = _device_mesh(args, launch, device)
+        if mixed_precision is None:
+            mixed_precision = device.type == "cuda"
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if device.type == "cuda" else MixedPrecisionPolicy()
+            if mixed_precision else MixedPrecisionPolicy()
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -248,10 +248,12 @@ def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
             _record(run, job)
         return
     for start in range(0, len(runs), args.parallel):
-        wave = [(run, _submit_one(executor, run)) for run in runs[start:start + args.parallel]]
-        for run, job in wave:
-            _record(run, job)
-        with _cancelled_when_interrupted([job for _, job in wave]):
+        jobs: list = []
+        with _cancelled_when_interrupted(jobs):
+            wave = [(run, _submit_one(executor, run)) for run in runs[start:start + args.parallel]]
+            jobs += [job for _, job in wave]
+            for run, job in wave:
+                _record(run, job)
             for run, job in wave:
                 job.wait()
                 print(f"{run.name}: {describe(run.dump_dir)['state']}")
@@ -264,11 +266,14 @@ class _Terminated(Exception):
 @contextlib.contextmanager
 def _cancelled_when_interrupted(jobs: list):
     """submitit's local jobs outlive the process that started them: if stool is stopped while it waits (Ctrl-C,
-    SIGTERM), it cancels them (a checkpoint is saved when there is time) and waits until their processes are gone."""
+    SIGTERM), it cancels them (a checkpoint is saved when there is time) and waits until their processes are gone.
+    submitit cancels a local job with SIGINT, which a process started with SIGINT ignored (as a shell's background
+    job is) would ignore too: the jobs are started with a handler in place, which they do not inherit as ignored."""
     def terminate(signum, frame):
         raise _Terminated
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, terminate),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
     try:
         yield
     except (KeyboardInterrupt, _Terminated):
@@ -278,7 +283,8 @@ def _cancelled_when_interrupted(jobs: list):
             job.wait()
         raise UserError(f"stopped: {len(jobs)} local job(s) cancelled; the same command resumes them") from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _submit_one(executor, run: PlannedRun):

@@ -122,13 +122,26 @@ def tagged_processes(tag: str) -> list[int]:
     return found
 
 
+def running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie has)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
 def end(proc: subprocess.Popen) -> None:
-    """Kills the command and every process it started, and waits until none is left."""
-    deadline = time.time() + 30
-    while (pids := tagged_processes(proc.tag)) and time.time() < deadline:
-        for pid in pids:
+    """Kills the command and every process it started, and waits until each has exited (a dying process stops
+    showing its environment before it is gone)."""
+    deadline, killed = time.time() + 30, set()
+    while time.time() < deadline:
+        tagged = tagged_processes(proc.tag)
+        for pid in tagged:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        killed.update(tagged)
+        if not tagged and not any(running(pid) for pid in killed):
+            break
         time.sleep(0.05)
     proc.wait()
 

@@ -2,6 +2,7 @@
 whose rows and masks do not depend on the number of processes: each rank takes its rows of every global batch.
 
     python tests/fsdp_steps.py OUT.json [app=bert] [fsdp_type=full_shard] [ac=none] [compile=false] [grad_acc=1]
+        [bf16=false]
     torchrun --nproc-per-node 2 tests/fsdp_steps.py OUT.json ...
 
 Rank 0 writes, per step, the loss (mean over all rows) and the gradient norm. Used by tests/test_distributed.py.
@@ -19,6 +20,7 @@ from lingua.app import build_model
 from lingua.args import load_config
 from lingua.distributed import DistributedArgs, all_reduce, destroy_process_group, detect_launch, init_process_group
 from lingua.optim import OptimArgs, build_optimizer
+from lingua.parallel import parallelize
 from lingua.step import training_step
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 
@@ -26,7 +28,7 @@ GLOBAL_ROWS, SEQ_LEN, STEPS = 8, 32, 4
 
 
 def main(out: str, app: str = "bert", fsdp_type: str = "full_shard", ac: str = "none", compile: str = "false",
-         grad_acc: str = "1") -> None:
+         grad_acc: str = "1", bf16: str = "false") -> None:
     app = {"bert": BERT, "crossbert": CROSSBERT}[app]
     launch = detect_launch()
     device = torch.device("cpu")
@@ -36,7 +38,10 @@ def main(out: str, app: str = "bert", fsdp_type: str = "full_shard", ac: str = "
     parallel = replace(DistributedArgs(), fsdp_type=fsdp_type, activation_checkpointing=ac,
                        compile=compile == "true")
     tokenizer = build_tokenizer(TokenizerArgs(name="bytes"))
-    model = build_model(app.build_model, model_args, tokenizer, device, seed=0, parallel=(parallel, launch))
+    def plan(model, args, launch, device):  # FSDP2's bf16 policy (the GPUs') when asked, on the CPU
+        parallelize(model, model.sharding_units(), args, launch, device, mixed_precision=bf16 == "true")
+
+    model = build_model(app.build_model, model_args, tokenizer, device, seed=0, parallel=(parallel, launch), plan=plan)
     optimizer = build_optimizer(model, OptimArgs(lr=3e-3, warmup=0))
     data, masks = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
     records = []

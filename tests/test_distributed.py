@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ENV, REPO, end, read_metrics, run_to_the_end, start, tagged_processes, tiny_argv
+from conftest import ENV, REPO, end, read_metrics, run_to_the_end, running, start, tagged_processes, tiny_argv
 
 from apps.bert.train import APP as BERT
 from lingua import train as loop
@@ -59,6 +59,15 @@ def test_two_ranks_match_one_rank_with_the_whole_batch(tmp_path, app):
     for fsdp_type in ("full_shard", "no_shard", "hybrid_shard"):
         assert_close(steps(tmp_path, fsdp_type, f"app={app}", "grad_acc=2", f"fsdp_type={fsdp_type}", procs=2), one,
                      rel=1e-5)
+
+
+@pytest.mark.parametrize("app", ["bert", "crossbert"])
+def test_fsdp_bf16_mixed_precision_under_gloo_follows_fp32(tmp_path, app):
+    """FSDP2's bf16 policy (parameters gathered in bf16, gradients reduced in fp32: the GPUs'), on two CPU ranks."""
+    fp32 = steps(tmp_path, "fp32", f"app={app}")
+    bf16 = steps(tmp_path, "bf16", f"app={app}", "bf16=true", procs=2)
+    assert_close(bf16, fp32, rel=3e-2)
+    assert any(abs(a["grad_norm"] / b["grad_norm"] - 1) > 1e-5 for a, b in zip(bf16, fp32))  # bf16 was in force
 
 
 def test_activation_checkpointing_keeps_the_gradients(tmp_path):
@@ -201,13 +210,6 @@ def _workers(proc: subprocess.Popen, module: bytes = b"apps.bert.train") -> dict
     return workers
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-
-
 def _wait_for(condition, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline and not condition():
@@ -255,7 +257,7 @@ def test_a_rank_that_stops_responding_ends_the_job_in_one_line_within_the_timeou
         rank0, rank1 = _workers(proc)[0], _workers(proc)[1]
         os.kill(rank0, signal.SIGSTOP)
         stopped = time.time()
-        _wait_for(lambda: not _alive(rank1), timeout=60)
+        _wait_for(lambda: not running(rank1), timeout=60)
         waited = time.time() - stopped
         os.kill(rank0, signal.SIGCONT)
         _, err = proc.communicate(timeout=60)
@@ -331,7 +333,7 @@ def test_a_torchrun_that_times_out_leaves_no_worker(corpus, tmp_path):
             proc.communicate(timeout=1)  # as a test that runs too long
     finally:
         end(proc)
-    assert not any(_alive(pid) for pid in workers) and tagged_processes(proc.tag) == []
+    assert not any(running(pid) for pid in workers) and tagged_processes(proc.tag) == []
 
 
 def _training_children(pid: int) -> list[int]:
