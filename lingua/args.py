@@ -47,11 +47,24 @@ class ConfigError(UserError):
         super().__init__(f"config key '{key}' {problem}")
 
 
+OLDEST_TORCH = (2, 11)  # the oldest torch the library runs on (the tests run on it and on the pinned 2.13)
+
+
+def require_supported_torch() -> None:
+    import torch
+
+    release = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
+    if release < OLDEST_TORCH:
+        raise UserError(f"torch {torch.__version__} is older than {'.'.join(map(str, OLDEST_TORCH))}, the oldest "
+                        "this library runs on: install torch 2.11 or newer (requirements.txt pins 2.13.0)")
+
+
 @contextlib.contextmanager
 def command_line(usage: str):
-    """The body of a command's main: `--help` prints `usage` and the keys (exit 0); a UserError prints one line
-    (exit 2)."""
+    """The body of a command's main: the installed torch is checked, `--help` prints `usage` and the keys (exit 0);
+    a UserError prints one line (exit 2)."""
     try:
+        require_supported_torch()
         yield
     except HelpRequested as e:
         print(f"{(usage or '').strip()}\n\n{e.text}")

@@ -120,8 +120,9 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def init_process_group(launch: Launch, device: torch.device, timeout_minutes: float) -> None:
-    """One process group per run when there are several processes (nccl on GPUs, gloo on CPUs)."""
-    if launch.world_size == 1 or dist.is_initialized():
+    """One process group per run (nccl on GPUs, gloo on CPUs) when there are several processes, or one under
+    torchrun: `torchrun --nproc-per-node 1` trains under FSDP2 too (its mixed precision, its checkpoints)."""
+    if dist.is_initialized() or (launch.world_size == 1 and launch.source != "torchrun"):
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)

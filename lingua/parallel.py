@@ -8,6 +8,7 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lingua.args import UserError
@@ -32,7 +33,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], args: DistributedArgs
             _checkpoint_activations(block, args.activation_checkpointing)
         if args.compile:
             block.compile(fullgraph=True)
-    if launch.world_size > 1:
+    if dist.is_initialized():  # several processes, or torchrun's one
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
         mesh = _device_mesh(args, launch, device)

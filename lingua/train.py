@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lingua.app import App, build_model
 from lingua.args import UserError, at_least, command_line, dump_config, load_config, require, to_dict
@@ -211,7 +212,7 @@ class Trainer:
         logger.info(
             f"{app.name}: {count_params(self.model):,} parameters ({count_params(self.model, embeddings=False):,} "
             f"outside the embedding) on {launch.world_size} process(es) ({launch.source}, {device.type}"
-            f"{', ' + args.distributed.fsdp_type if launch.world_size > 1 else ''}), {args.steps} steps of "
+            f"{', ' + args.distributed.fsdp_type if dist.is_initialized() else ''}), {args.steps} steps of "
             f"{self.throughput.per_step['data_tokens']:,} data tokens over all processes"
         )
 

@@ -104,3 +104,23 @@ def test_help_lists_every_key_with_its_type_default_and_comment():
     assert "  model.predictor.n_layers: int | None = None  # default: a quarter" in text
     with pytest.raises(HelpRequested):
         load_config(CrossBertTrainArgs, ["optim.lr=1", "--help"])
+
+
+@pytest.mark.parametrize("version, supported", [("2.10.1+cu128", False), ("2.11.0+cu130", True), ("2.13.0", True),
+                                                ("3.0.0a0", True)])
+def test_a_torch_too_old_stops_every_command_in_one_line(monkeypatch, capsys, version, supported):
+    import torch
+
+    from apps.bert.train import APP
+    from lingua.train import main
+
+    monkeypatch.setattr(torch, "__version__", version)
+    with pytest.raises(SystemExit) as exit_info:
+        main(APP, ["--help"])
+    err = capsys.readouterr().err
+    if supported:
+        assert exit_info.value.code == 0 and err == ""
+    else:
+        assert exit_info.value.code == 2 and err.strip() == (f"error: torch {version} is older than 2.11, the oldest "
+                                                             "this library runs on: install torch 2.11 or newer "
+                                                             "(requirements.txt pins 2.13.0)")

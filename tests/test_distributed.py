@@ -100,6 +100,17 @@ def test_torchrun_trains_and_writes_once(corpus, tmp_path, app):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_torchrun_with_one_process_trains_under_fsdp(corpus, tmp_path):
+    """`torchrun --nproc-per-node 1` (one GPU) trains under FSDP2, as several processes do; the checkpoint loads
+    without torchrun."""
+    dump = tmp_path / "run"
+    torchrun("-m", "apps.crossbert.train", *_train_argv(corpus, dump, 6), procs=1)
+    assert "on 1 process(es) (torchrun, cpu, full_shard)" in (dump / "train.log").read_text()
+    assert sorted(read_metrics(dump)) == list(range(1, 7))
+    model, _, _ = load_model(dump)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_checkpoints_move_between_world_sizes(corpus, tmp_path):
     """Saved on 2 ranks at step 10; resumed on 2 ranks it continues exactly, on 1 rank it continues with the
     unread data re-partitioned (and back to 2 ranks again)."""

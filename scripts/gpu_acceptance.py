@@ -1,0 +1,387 @@
+"""The acceptance run for a GPU machine: one command, about 8 minutes on one H200, one JSON and one Markdown report.
+
+    bash scripts/gpu_acceptance.sh OUT_DIR [--bundle FOLDER]     # on the GPU machine
+    bash scripts/gpu_acceptance.sh OUT_DIR --dry-run             # anywhere: tiny shapes, the same code paths, CPU
+    bash scripts/gpu_acceptance.sh --prepare FOLDER              # here: what must travel to a machine without network
+
+Parts, each in its own process with its own time budget (a part that runs over is cut and reported, the others
+still run; the reports are rewritten after every part):
+1. environment: GPU, memory, torch and CUDA versions, the measured bf16 matmul rate and copy bandwidth (ceilings);
+2. tests: tests/test_gpu_paths.py and tests/test_compile.py (on a GPU: the attention backends in bf16, the step
+   without host synchronisation, compiled steps; on a CPU their CPU halves);
+3. benchmark: `apps.benchmark preset=paper` for BERT, CrossBERT and ELECTRA in bf16, compiled: token-views/s, MFU
+   (heads counted and not), peak memory, CrossBERT's speed-up against the paper's 1.68x;
+4. training: a single-scale-shaped CrossBERT under `torchrun --nproc-per-node 1` (FSDP2, compile, selective
+   activation checkpointing) on a generated corpus: the loss falls, recompilations are counted, the checkpoint of
+   the middle step is resumed and the steps after it are compared with the uninterrupted run;
+5. glue: the frozen GLUE probes of that run on RTE, timed.
+`--prepare` gathers the wheels of the packages the GPU image lacks (submitit), the GPT-2 BPE file and RTE from
+../shared/data/glue into FOLDER (git-ignored; name it in the device call's `carry`) and prints its size.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # a script, run from anywhere: the library beside it
+PAPER_SPEEDUP = 1.68  # Table 3: 207k vs 123k tokens/s on H100
+TARGETS = {"mfu_with_head": 0.40, "crossbert_speedup": 1.49}  # issue targets: benchmarks, not pass/fail of the run
+BUDGETS_S = {"environment": 30, "tests": 60, "benchmark": 120, "training": 210, "glue": 60}  # 8 min in all
+DRY_BUDGETS_S = {"environment": 30, "tests": 120, "benchmark": 120, "training": 240, "glue": 90}
+WHEELS = ["submitit==1.5.4"]  # pure Python, missing on the GPU image (KINDS.md)
+WORDS = ("the a cat dog sat on mat ran to park red blue green big small house tree river stone bird sang under over "
+         "quickly slowly happy tall old young and then after before").split()
+
+
+# ------------------------------------------------------------------------------------------------------ parts
+
+
+def environment(out: Path, dry_run: bool) -> dict:
+    import torch
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        info["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+    n = 512 if dry_run or device == "cpu" else 8192
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    info["matmul_tflops"] = 2 * n**3 / _timed(lambda: a @ b, device) / 1e12
+    info["matmul_shape_dtype"] = f"{n}x{n}x{n} {str(dtype).removeprefix('torch.')}"
+    size = 2**24 if dry_run or device == "cpu" else 2**30
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    info["copy_gb_per_s"] = 2 * size / _timed(lambda: dst.copy_(src), device) / 1e9  # bytes read and written
+    return info
+
+
+def _timed(fn, device: str, warmup: int = 3, repeats: int = 10) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def tests(out: Path, dry_run: bool) -> dict:
+    report = out / "tests.xml"
+    selection = ["tests/test_gpu_paths.py", "tests/test_compile.py"]
+    if dry_run:
+        selection = ["tests/test_gpu_paths.py", "-k", "bert and not crossbert or electra or chunked"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                           *selection], cwd=REPO, capture_output=True, text=True)
+    counts = _junit_counts(report)
+    (out / "tests.log").write_text(done.stdout[-20000:] + done.stderr[-5000:])
+    if done.returncode and not counts.get("failures") and not counts.get("errors"):
+        raise RuntimeError(f"pytest exited with {done.returncode}: {done.stdout.strip().splitlines()[-1:]}")
+    return {"selection": " ".join(selection), **counts, "passed_all": done.returncode == 0}
+
+
+def _junit_counts(path: Path) -> dict:
+    import xml.etree.ElementTree as ET
+
+    suite = ET.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    return {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+
+
+def benchmark(out: Path, dry_run: bool) -> dict:
+    results = out / "benchmark.json"
+    preset = ["preset=debug", "warmup=1", "steps=1", "rounds=1"] if dry_run else \
+        ["preset=paper", "compile=true", "warmup=3", "steps=5", "rounds=2"]
+    _run([sys.executable, "-m", "apps.benchmark", "apps=bert,crossbert,electra", *preset, f"out={results}"],
+         out / "benchmark.log")
+    report = json.loads(results.read_text())
+    apps = {}
+    for label, r in report["results"].items():
+        peak = report["peak_tflops"]
+        step_s = r["step_ms"] / 1e3
+        apps[label] = {"token_views_per_s": r["token_views_per_s"], "data_tokens_per_s": r["data_tokens_per_s"],
+                       "mfu_with_head": r["mfu"],
+                       "mfu_paper": r["flops_per_step_paper"] / step_s / (peak * 1e12) if peak else None,
+                       "peak_memory_gib": r["peak_memory_gib"], "speedup_vs_bert": r["vs_reference"]["measured"],
+                       "predicted_with_head": r["vs_reference"]["predicted_with_head"]}
+    crossbert = apps["crossbert"]["speedup_vs_bert"]
+    return {"device": report["device"], "torch": report["torch"], "apps": apps, "crossbert_speedup": crossbert,
+            "of_paper_speedup": crossbert / PAPER_SPEEDUP,
+            "targets": {"mfu_with_head >= 40% (bert, crossbert)": all(
+                (apps[a]["mfu_with_head"] or 0) >= TARGETS["mfu_with_head"] for a in ("bert", "crossbert")),
+                "crossbert speed-up >= 1.49x": crossbert >= TARGETS["crossbert_speedup"]}}
+
+
+def training(out: Path, dry_run: bool) -> dict:
+    corpus, full, resumed = out / "corpus", out / "run", out / "resumed"
+    for folder in (corpus, full, resumed):
+        shutil.rmtree(folder, ignore_errors=True)
+    write_corpus(corpus, 4000 if dry_run else 40000)
+    steps, every = (20, 10) if dry_run else (120, 60)
+    shape = (["model.encoder.dim=64", "model.encoder.n_layers=2", "model.encoder.n_heads=4", "model.predictor.dim=64",
+              "model.predictor.n_layers=1", "model.predictor.n_heads=4", "data.seq_len=64",
+              "model.encoder.max_seqlen=64", "data.batch_size=4"] if dry_run else ["data.batch_size=16"])
+    argv = [f"config={REPO / 'apps/crossbert/configs/single_scale.yaml'}", f"data.root_dir={corpus}",
+            "data.sources={tiny: 1.0}", f"steps={steps}", f"checkpoint.every={every}", "logging.freq=1",
+            "validation.every=0", "optim.warmup=10", "optim.lr=1e-3", "distributed.compile=true",
+            "distributed.activation_checkpointing=selective", *shape]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
+                "apps.crossbert.train"]
+    env = {**os.environ, "TORCH_LOGS": "recompiles"}
+    start = time.perf_counter()
+    log = _run([*torchrun, *argv, f"dump_dir={full}"], out / "training.log", env)
+    seconds = time.perf_counter() - start
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "checkpoints" / f"{steps:010d}")
+    (resumed / "consolidated.pt").unlink()
+    _run([*torchrun, *argv, f"dump_dir={resumed}"], out / "resumed.log", env)
+    losses, again = _losses(full), _losses(resumed)
+    after = range(every + 1, steps + 1)
+    differences = [abs(again[s] - losses[s]) / abs(losses[s]) for s in after]
+    after_first_step = log[log.index(f"step 1/{steps} |"):]  # the blocks' first compilations are done by then
+    return {"steps": steps, "seconds": seconds, "first_loss": losses[1], "last_loss": losses[steps],
+            "loss_falls": losses[steps] < 0.95 * losses[1],
+            "recompilations_after_step_1": after_first_step.count("Recompiling function"),
+            "resumed_at": every, "resume_max_relative_difference": max(differences),
+            "resume_identical": max(differences) == 0.0, "dump_dir": str(full)}
+
+
+def _losses(dump: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def write_corpus(root: Path, n_docs: int) -> None:
+    """ROOT/tiny/: documents of short sentences with a learnable structure (the tests' corpus, larger)."""
+    rng, source = random.Random(0), root / "tiny"
+    source.mkdir(parents=True)
+
+    def doc() -> str:
+        return " ".join(f"the {rng.choice(WORDS[2:10])} {rng.choice(WORDS[10:18])} the {rng.choice(WORDS[18:])}."
+                        for _ in range(rng.randint(4, 40)))
+
+    (source / "train.00000.jsonl").write_text("".join(json.dumps({"text": doc()}) + "\n" for _ in range(n_docs)))
+    (source / "valid.jsonl").write_text("".join(json.dumps({"text": doc()}) + "\n" for _ in range(200)))
+
+
+def glue(out: Path, dry_run: bool) -> dict:
+    data = _bundle_glue() or REPO / "tests" / "fixtures" / "glue"
+    start = time.perf_counter()
+    _run([sys.executable, "-m", "apps.eval.glue", f"ckpt={out / 'run'}", f"data={data}", "tasks=rte",
+          "probes=linear,knn", f"out={out / 'glue.json'}"], out / "glue.log")
+    results = json.loads((out / "glue.json").read_text())
+    return {"data": str(data), "seconds": time.perf_counter() - start,
+            "rte": results["summary"]["last"]["linear"].get("rte"),
+            "rte_knn": results["summary"]["last"]["knn"].get("rte")}
+
+
+def _bundle_glue() -> Path | None:
+    folder = os.environ.get("LINGUA_ACCEPTANCE_GLUE")
+    return Path(folder) if folder and (Path(folder) / "RTE").is_dir() else None
+
+
+def _run(cmd: list[str], log: Path, env: dict | None = None) -> str:
+    """Its output and errors in the order they came (the workers write unbuffered)."""
+    done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    text = done.stdout
+    log.write_text(text[-200000:])
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... exited with {done.returncode}: "
+                           f"{(text.strip().splitlines() or [''])[-1][:300]}")
+    return text
+
+
+PARTS = {"environment": environment, "tests": tests, "benchmark": benchmark, "training": training, "glue": glue}
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+def run_all(out: Path, dry_run: bool, bundle: Path | None) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **_bundle_env(bundle)}
+    report = {"dry_run": dry_run, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "parts": {}}
+    budgets = DRY_BUDGETS_S if dry_run else BUDGETS_S
+    for name in PARTS:
+        if name == "glue" and report["parts"]["training"]["status"] != "passed":
+            report["parts"][name] = {"status": "skipped", "reason": "the training part gave no checkpoint"}
+            continue
+        report["parts"][name] = run_part(name, out, dry_run, budgets[name], env)
+        print(f"{name}: {report['parts'][name]['status']} ({report['parts'][name].get('seconds', 0):.0f} s)",
+              flush=True)
+        write_reports(report, out)
+    report["passed"] = all(part["status"] == "passed" for part in report["parts"].values())
+    write_reports(report, out)
+    return report
+
+
+def run_part(name: str, out: Path, dry_run: bool, budget_s: int, env: dict) -> dict:
+    """The part in a process of its own, cut at its budget (with every process it started)."""
+    result_file = out / f"part_{name}.json"
+    result_file.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--part", name, str(out)] + (["--dry-run"] if dry_run else [])
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        return {"status": "cut", "budget_s": budget_s, "seconds": time.perf_counter() - start,
+                "reason": f"ran over its budget of {budget_s} s"}
+    seconds = time.perf_counter() - start
+    if proc.returncode or not result_file.exists():
+        last = (output.strip().splitlines() or [""])[-1]
+        return {"status": "failed", "budget_s": budget_s, "seconds": seconds, "reason": last[:500]}
+    return {"status": "passed", "budget_s": budget_s, "seconds": seconds, **json.loads(result_file.read_text())}
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """The part and what it started: torchrun's workers run in sessions of their own, found by their parent."""
+    import signal
+
+    pids = [proc.pid]
+    for pid in pids:  # grows while walking: children of children
+        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+        pids += [int(child) for child in children]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def _bundle_env(bundle: Path | None) -> dict:
+    """The bundle's wheels installed into a temporary folder put on PYTHONPATH, its tokenizer file and GLUE data."""
+    if bundle is None:
+        return {}
+    env = {}
+    wheels = sorted((bundle / "wheels").glob("*.whl"))
+    if wheels:
+        site = Path(tempfile.mkdtemp(prefix="acceptance_site_"))
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--target", str(site), *map(str, wheels)], check=True)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    if (bundle / "tokenizer").is_dir():
+        env["LINGUA_TOKENIZER_DIR"] = str(bundle / "tokenizer")
+    if (bundle / "glue").is_dir():
+        env["LINGUA_ACCEPTANCE_GLUE"] = str(bundle / "glue")
+    return env
+
+
+def write_reports(report: dict, out: Path) -> None:
+    (out / "acceptance.json").write_text(json.dumps(report, indent=1))
+    (out / "acceptance.md").write_text(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    parts = report["parts"]
+    lines = [f"# GPU acceptance{' (dry run)' if report['dry_run'] else ''}, {report['started']}", "",
+             "| part | status | seconds | budget | notes |", "|---|---|---|---|---|"]
+    for name, part in parts.items():
+        notes = part.get("reason", "") or _notes(name, part)
+        lines.append(f"| {name} | {part['status']} | {part.get('seconds', 0):.0f} | {part.get('budget_s', '-')} | "
+                     f"{notes} |")
+    bench = parts.get("benchmark", {})
+    if bench.get("status") == "passed":
+        lines += ["", f"Benchmark on {bench['device']} (torch {bench['torch']}):", "",
+                  "| app | token-views/s | data tokens/s | MFU (+heads) | MFU (paper's FLOPs) | peak GiB | vs BERT |",
+                  "|---|---|---|---|---|---|---|"]
+        for app, r in bench["apps"].items():
+            lines.append(f"| {app} | {r['token_views_per_s']:,.0f} | {r['data_tokens_per_s']:,.0f} | "
+                         f"{_percent(r['mfu_with_head'])} | {_percent(r['mfu_paper'])} | "
+                         f"{_number(r['peak_memory_gib'])} | {r['speedup_vs_bert']:.2f}x |")
+        lines.append(f"\nCrossBERT's speed-up: {bench['crossbert_speedup']:.2f}x, {bench['of_paper_speedup']:.0%} of "
+                     f"the paper's {PAPER_SPEEDUP}x; targets: " + ", ".join(
+                         f"{name} {'met' if met else 'missed'}" for name, met in bench["targets"].items()))
+    return "\n".join(lines) + "\n"
+
+
+def _notes(name: str, part: dict) -> str:
+    if part["status"] != "passed":
+        return ""
+    if name == "environment":
+        return (f"{part['gpu'] or 'no GPU'}, torch {part['torch']}, CUDA {part['cuda']}; matmul "
+                f"{part['matmul_tflops']:.1f} TFLOP/s ({part['matmul_shape_dtype']}), copy "
+                f"{part['copy_gb_per_s']:.0f} GB/s")
+    if name == "tests":
+        return f"{part['tests']} tests, {part['failures']} failed, {part['errors']} errors, {part['skipped']} skipped"
+    if name == "training":
+        return (f"loss {part['first_loss']:.2f} -> {part['last_loss']:.2f} in {part['steps']} steps "
+                f"({part['seconds']:.0f} s); {part['recompilations_after_step_1']} recompilation(s) after step 1; "
+                f"resumed at step "
+                f"{part['resumed_at']}: max relative loss difference {part['resume_max_relative_difference']:.1e}")
+    if name == "glue":
+        return f"RTE linear {_number(part['rte'])}, kNN {_number(part['rte_knn'])} in {part['seconds']:.0f} s"
+    return ""
+
+
+def _percent(value) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def _number(value) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+# ------------------------------------------------------------------------------------------------ prepare
+
+
+def prepare(folder: Path) -> int:
+    """What must travel to a GPU machine without network; returns its size in bytes."""
+    from lingua.tokenizer import default_tokenizer_dir
+
+    (folder / "wheels").mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+                    "--platform", "manylinux2014_x86_64", "-d", str(folder / "wheels"), *WHEELS], check=True)
+    bpe = default_tokenizer_dir() / "r50k_base.tiktoken"
+    if not bpe.exists():
+        raise SystemExit(f"error: {bpe} is missing: run python setup/fetch_tokenizer.py first")
+    (folder / "tokenizer").mkdir(exist_ok=True)
+    shutil.copy(bpe, folder / "tokenizer" / bpe.name)
+    rte = REPO.parent / "shared" / "data" / "glue" / "RTE"
+    if rte.is_dir():
+        shutil.copytree(rte, folder / "glue" / "RTE", dirs_exist_ok=True)
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", nargs="?", help="the folder of the reports")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, the same code paths; runs on a CPU")
+    parser.add_argument("--bundle", help="a folder --prepare wrote (wheels, tokenizer file, GLUE data)")
+    parser.add_argument("--prepare", metavar="FOLDER", help="gather what must travel, print its size, and stop")
+    parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # one part, in its own process
+    args = parser.parse_args(argv)
+    if args.prepare:
+        size = prepare(Path(args.prepare))
+        print(f"{args.prepare}: {size / 2**20:.1f} MiB (the working tree and carried paths may hold 64 MiB)")
+        return
+    if not args.out:
+        parser.error("the reports' folder is required")
+    if args.part:
+        result = PARTS[args.part](Path(args.out), args.dry_run)
+        (Path(args.out) / f"part_{args.part}.json").write_text(json.dumps(result))
+        return
+    report = run_all(Path(args.out), args.dry_run, Path(args.bundle) if args.bundle else None)
+    print(f"reports: {Path(args.out) / 'acceptance.md'}, {Path(args.out) / 'acceptance.json'}")
+    sys.exit(0 if report["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

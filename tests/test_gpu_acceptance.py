@@ -1,0 +1,71 @@
+"""The GPU acceptance script (scripts/gpu_acceptance.sh) as CI can run it: its dry run (tiny shapes, the same code
+paths, on the CPU) passes every part and writes both reports; a part that runs over its budget is cut and reported,
+with the processes it started; --prepare gathers what travels to a machine without network."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, run_to_the_end, tagged_processes
+
+from lingua.tokenizer import default_tokenizer_dir
+
+PARTS = ["environment", "tests", "benchmark", "training", "glue"]
+
+
+def acceptance_module():
+    spec = importlib.util.spec_from_file_location("gpu_acceptance", REPO / "scripts" / "gpu_acceptance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (default_tokenizer_dir() / "r50k_base.tiktoken").exists(),
+                    reason="run setup/install.sh first (the tokenizer file)")
+def test_the_dry_run_passes_every_part_and_writes_both_reports(tmp_path):
+    out = tmp_path / "report"
+    done = run_to_the_end(["bash", "scripts/gpu_acceptance.sh", str(out), "--dry-run"], timeout=900)
+    report = json.loads((out / "acceptance.json").read_text())
+    assert done.returncode == 0 and report["passed"], done.stdout[-3000:] + json.dumps(report["parts"], indent=1)
+    assert list(report["parts"]) == PARTS and all(part["status"] == "passed" for part in report["parts"].values())
+    training = report["parts"]["training"]
+    assert training["loss_falls"] and training["resume_identical"]  # on the CPU the resumed steps are bit-identical
+    assert training["recompilations_after_step_1"] == 0
+    assert set(report["parts"]["benchmark"]["apps"]) == {"bert", "crossbert", "electra"}
+    markdown = (out / "acceptance.md").read_text()
+    assert all(f"| {part} | passed |" in markdown for part in PARTS) and "| crossbert |" in markdown
+
+
+def test_a_part_over_its_budget_is_cut_with_what_it_started(tmp_path):
+    acceptance = acceptance_module()
+    env = {**acceptance.os.environ, "LINGUA_TEST_PROCESS_TAG": "acceptance-cut"}
+    part = acceptance.run_part("tests", tmp_path, dry_run=True, budget_s=3, env=env)  # pytest alone takes longer
+    assert part["status"] == "cut" and "budget of 3 s" in part["reason"]
+    deadline = time.time() + 10  # a process killed a moment ago may still be dying
+    while tagged_processes("acceptance-cut") and time.time() < deadline:
+        time.sleep(0.1)
+    assert tagged_processes("acceptance-cut") == []
+    report = {"dry_run": True, "started": "now", "parts": {"tests": part}}
+    acceptance.write_reports(report, tmp_path)
+    assert "| tests | cut |" in (tmp_path / "acceptance.md").read_text()
+
+
+def test_prepare_gathers_the_tokenizer_and_the_wheels(tmp_path, monkeypatch):
+    acceptance = acceptance_module()
+    if not (default_tokenizer_dir() / "r50k_base.tiktoken").exists():
+        pytest.skip("run setup/install.sh first (the tokenizer file)")
+    downloads = []
+    monkeypatch.setattr(acceptance.subprocess, "run", lambda cmd, **kwargs: downloads.append(cmd))
+    size = acceptance.prepare(tmp_path / "bundle")
+    assert downloads and downloads[0][:4] == [sys.executable, "-m", "pip", "download"]
+    assert "submitit==1.5.4" in downloads[0] and "3.12" in downloads[0]  # the GPU image's Python
+    assert (tmp_path / "bundle" / "tokenizer" / "r50k_base.tiktoken").exists() and size < 64 * 2**20
+
+
+def test_help(capsys):
+    done = subprocess.run(["bash", "scripts/gpu_acceptance.sh", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0 and "--dry-run" in done.stdout and "--prepare" in done.stdout
