@@ -44,7 +44,7 @@ WORDS = ("the a cat dog sat on mat ran to park red blue green big small house tr
 # ------------------------------------------------------------------------------------------------------ parts
 
 
-def environment(out: Path, dry_run: bool) -> dict:
+def environment(work: Path, dry_run: bool) -> dict:
     import torch
 
     info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -79,15 +79,15 @@ def _timed(fn, device: str, warmup: int = 3, repeats: int = 10) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def tests(out: Path, dry_run: bool) -> dict:
-    report = out / "tests.xml"
+def tests(work: Path, dry_run: bool) -> dict:
+    report = work / "tests.xml"
     selection = ["tests/test_gpu_paths.py", "tests/test_compile.py"]
     if dry_run:
         selection = ["tests/test_gpu_paths.py", "-k", "bert and not crossbert or electra or chunked"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
                            *selection], cwd=REPO, capture_output=True, text=True)
     counts = _junit_counts(report)
-    (out / "tests.log").write_text(done.stdout[-20000:] + done.stderr[-5000:])
+    (work / "tests.log").write_text(done.stdout[-20000:] + done.stderr[-5000:])
     if done.returncode and not counts.get("failures") and not counts.get("errors"):
         raise RuntimeError(f"pytest exited with {done.returncode}: {done.stdout.strip().splitlines()[-1:]}")
     return {"selection": " ".join(selection), **counts, "passed_all": done.returncode == 0}
@@ -101,12 +101,12 @@ def _junit_counts(path: Path) -> dict:
     return {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
 
 
-def benchmark(out: Path, dry_run: bool) -> dict:
-    results = out / "benchmark.json"
+def benchmark(work: Path, dry_run: bool) -> dict:
+    results = work / "benchmark.json"
     preset = ["preset=debug", "warmup=1", "steps=1", "rounds=1"] if dry_run else \
         ["preset=paper", "compile=true", "warmup=3", "steps=5", "rounds=2"]
     _run([sys.executable, "-m", "apps.benchmark", "apps=bert,crossbert,electra", *preset, f"out={results}"],
-         out / "benchmark.log")
+         work / "benchmark.log")
     report = json.loads(results.read_text())
     apps = {}
     for label, r in report["results"].items():
@@ -125,8 +125,8 @@ def benchmark(out: Path, dry_run: bool) -> dict:
                 "crossbert speed-up >= 1.49x": crossbert >= TARGETS["crossbert_speedup"]}}
 
 
-def training(out: Path, dry_run: bool) -> dict:
-    corpus, full, resumed = out / "corpus", out / "run", out / "resumed"
+def training(work: Path, dry_run: bool) -> dict:
+    corpus, full, resumed = work / "corpus", work / "run", work / "resumed"
     for folder in (corpus, full, resumed):
         shutil.rmtree(folder, ignore_errors=True)
     write_corpus(corpus, 4000 if dry_run else 40000)
@@ -142,12 +142,13 @@ def training(out: Path, dry_run: bool) -> dict:
                 "apps.crossbert.train"]
     env = {**os.environ, "TORCH_LOGS": "recompiles"}
     start = time.perf_counter()
-    log = _run([*torchrun, *argv, f"dump_dir={full}"], out / "training.log", env)
+    log = _run([*torchrun, *argv, f"dump_dir={full}"], work / "training.log", env)
     seconds = time.perf_counter() - start
-    shutil.copytree(full, resumed)
-    shutil.rmtree(resumed / "checkpoints" / f"{steps:010d}")
-    (resumed / "consolidated.pt").unlink()
-    _run([*torchrun, *argv, f"dump_dir={resumed}"], out / "resumed.log", env)
+    middle = f"checkpoints/{every:010d}"  # the run as it was at the middle step: resumed from there
+    shutil.copytree(full / middle, resumed / middle)
+    for name in ("config.yaml", "metrics.jsonl"):
+        shutil.copy(full / name, resumed / name)
+    _run([*torchrun, *argv, f"dump_dir={resumed}"], work / "resumed.log", env)
     losses, again = _losses(full), _losses(resumed)
     after = range(every + 1, steps + 1)
     differences = [abs(again[s] - losses[s]) / abs(losses[s]) for s in after]
@@ -177,12 +178,12 @@ def write_corpus(root: Path, n_docs: int) -> None:
     (source / "valid.jsonl").write_text("".join(json.dumps({"text": doc()}) + "\n" for _ in range(200)))
 
 
-def glue(out: Path, dry_run: bool) -> dict:
+def glue(work: Path, dry_run: bool) -> dict:
     data = _bundle_glue() or REPO / "tests" / "fixtures" / "glue"
     start = time.perf_counter()
-    _run([sys.executable, "-m", "apps.eval.glue", f"ckpt={out / 'run'}", f"data={data}", "tasks=rte",
-          "probes=linear,knn", f"out={out / 'glue.json'}"], out / "glue.log")
-    results = json.loads((out / "glue.json").read_text())
+    _run([sys.executable, "-m", "apps.eval.glue", f"ckpt={work / 'run'}", f"data={data}", "tasks=rte",
+          "probes=linear,knn", f"out={work / 'glue.json'}"], work / "glue.log")
+    results = json.loads((work / "glue.json").read_text())
     return {"data": str(data), "seconds": time.perf_counter() - start,
             "rte": results["summary"]["last"]["linear"].get("rte"),
             "rte_knn": results["summary"]["last"]["knn"].get("rte")}
@@ -205,13 +206,17 @@ def _run(cmd: list[str], log: Path, env: dict | None = None) -> str:
 
 
 PARTS = {"environment": environment, "tests": tests, "benchmark": benchmark, "training": training, "glue": glue}
+LOGS = ("tests.log", "benchmark.json", "training.log", "glue.json")  # copied beside the two reports
 
 
 # ------------------------------------------------------------------------------------------------ the run
 
 
 def run_all(out: Path, dry_run: bool, bundle: Path | None) -> dict:
+    """The parts work in a scratch folder (runs, checkpoints, corpus); `out` receives the reports and a few logs,
+    few and small enough to come back from a device machine."""
     out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="acceptance_"))
     env = {**os.environ, **_bundle_env(bundle)}
     report = {"dry_run": dry_run, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "parts": {}}
     budgets = DRY_BUDGETS_S if dry_run else BUDGETS_S
@@ -219,20 +224,24 @@ def run_all(out: Path, dry_run: bool, bundle: Path | None) -> dict:
         if name == "glue" and report["parts"]["training"]["status"] != "passed":
             report["parts"][name] = {"status": "skipped", "reason": "the training part gave no checkpoint"}
             continue
-        report["parts"][name] = run_part(name, out, dry_run, budgets[name], env)
+        report["parts"][name] = run_part(name, work, dry_run, budgets[name], env)
         print(f"{name}: {report['parts'][name]['status']} ({report['parts'][name].get('seconds', 0):.0f} s)",
               flush=True)
         write_reports(report, out)
     report["passed"] = all(part["status"] == "passed" for part in report["parts"].values())
     write_reports(report, out)
+    for name in LOGS:
+        if (work / name).exists():
+            shutil.copy(work / name, out / name)
+    shutil.rmtree(work, ignore_errors=True)
     return report
 
 
-def run_part(name: str, out: Path, dry_run: bool, budget_s: int, env: dict) -> dict:
-    """The part in a process of its own, cut at its budget (with every process it started)."""
-    result_file = out / f"part_{name}.json"
+def run_part(name: str, work: Path, dry_run: bool, budget_s: int, env: dict) -> dict:
+    """The part in a process of its own, working in `work`, cut at its budget (with every process it started)."""
+    result_file = work / f"part_{name}.json"
     result_file.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--part", name, str(out)] + (["--dry-run"] if dry_run else [])
+    cmd = [sys.executable, __file__, "--part", name, str(work)] + (["--dry-run"] if dry_run else [])
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
