@@ -11,6 +11,8 @@ still run; the reports are rewritten after every part):
    without host synchronisation, compiled steps; on a CPU their CPU halves);
 3. benchmark: `apps.benchmark preset=paper` for BERT, CrossBERT and ELECTRA in bf16, compiled: token-views/s, MFU
    (heads counted and not), peak memory, CrossBERT's speed-up against the paper's 1.68x;
+   profile: where one step of each goes (attention, matmuls, output head, optimizer, communication, other), for
+   when a target is missed;
 4. training: a single-scale-shaped CrossBERT under `torchrun --nproc-per-node 1` (FSDP2, compile, selective
    activation checkpointing) on a generated corpus: the loss falls, recompilations are counted, the checkpoint of
    the middle step is resumed and the steps after it are compared with the uninterrupted run;
@@ -34,8 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # a script, run from anywhere: the library beside it
 PAPER_SPEEDUP = 1.68  # Table 3: 207k vs 123k tokens/s on H100
 TARGETS = {"mfu_with_head": 0.40, "crossbert_speedup": 1.49}  # issue targets: benchmarks, not pass/fail of the run
-BUDGETS_S = {"environment": 30, "tests": 60, "benchmark": 120, "training": 210, "glue": 60}  # 8 min in all
-DRY_BUDGETS_S = {"environment": 30, "tests": 120, "benchmark": 120, "training": 240, "glue": 90}
+BUDGETS_S = {"environment": 30, "tests": 60, "benchmark": 120, "profile": 40, "training": 180, "glue": 50}  # 8 min
+DRY_BUDGETS_S = {"environment": 30, "tests": 120, "benchmark": 120, "profile": 60, "training": 240, "glue": 90}
 WHEELS = ["submitit==1.5.4"]  # pure Python, missing on the GPU image (KINDS.md)
 WORDS = ("the a cat dog sat on mat ran to park red blue green big small house tree river stone bird sang under over "
          "quickly slowly happy tall old young and then after before").split()
@@ -125,6 +127,46 @@ def benchmark(work: Path, dry_run: bool) -> dict:
                 "crossbert speed-up >= 1.49x": crossbert >= TARGETS["crossbert_speedup"]}}
 
 
+PROFILE_CATEGORIES = (  # (category, substrings of an operator's or kernel's name), the first that matches
+    ("attention", ("attention", "flash", "sdpa", "fmha")),
+    ("output head", ("chunkedlinearcrossentropy", "log_softmax", "cross_entropy", "logsumexp")),
+    ("communication", ("nccl", "all_gather", "reduce_scatter", "all_reduce", "gloo")),
+    ("optimizer", ("adam", "_foreach", "multi_tensor", "optimizer")),
+    ("matmuls", ("mm", "matmul", "gemm", "linear", "sm90", "cutlass")),
+)
+
+
+def profile(work: Path, dry_run: bool) -> dict:
+    """Where a training step's time goes, per app, at the benchmark's shapes: the profiler's self time of every
+    operator (GPU kernels on a GPU), by category."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiled
+
+    from apps.benchmark import build, parse_args, step
+
+    preset = ["preset=debug", "warmup=1"] if dry_run else ["preset=paper", "compile=true", "warmup=2"]
+    args = parse_args(["apps=bert,crossbert,electra", *preset])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    shares = {}
+    for label in ("bert", "crossbert", "electra"):
+        contender = build(label, args, device)
+        with profiled(activities=activities) as prof:
+            step(contender, args, device)
+        times: dict[str, float] = {}
+        for event in prof.key_averages():
+            self_time = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
+            category = next((name for name, keys in PROFILE_CATEGORIES if any(k in event.key.lower() for k in keys)),
+                            "other")
+            times[category] = times.get(category, 0.0) + self_time
+        total = sum(times.values()) or 1.0
+        shares[label] = {category: times.get(category, 0.0) / total
+                         for category in [name for name, _ in PROFILE_CATEGORIES] + ["other"]}
+        del contender
+    return {"shares": shares, "measured": "GPU kernel time" if device.type == "cuda" else "CPU operator time"}
+
+
 def training(work: Path, dry_run: bool) -> dict:
     corpus, full, resumed = work / "corpus", work / "run", work / "resumed"
     for folder in (corpus, full, resumed):
@@ -205,7 +247,8 @@ def _run(cmd: list[str], log: Path, env: dict | None = None) -> str:
     return text
 
 
-PARTS = {"environment": environment, "tests": tests, "benchmark": benchmark, "training": training, "glue": glue}
+PARTS = {"environment": environment, "tests": tests, "benchmark": benchmark, "profile": profile, "training": training,
+         "glue": glue}
 LOGS = ("tests.log", "benchmark.json", "training.log", "glue.json")  # copied beside the two reports
 
 
@@ -317,6 +360,13 @@ def markdown(report: dict) -> str:
         lines.append(f"\nCrossBERT's speed-up: {bench['crossbert_speedup']:.2f}x, {bench['of_paper_speedup']:.0%} of "
                      f"the paper's {PAPER_SPEEDUP}x; targets: " + ", ".join(
                          f"{name} {'met' if met else 'missed'}" for name, met in bench["targets"].items()))
+    prof = parts.get("profile", {})
+    if prof.get("status") == "passed":
+        categories = list(next(iter(prof["shares"].values())))
+        lines += ["", f"Where a step's time goes ({prof['measured']}, one step per app):", "",
+                  "| app | " + " | ".join(categories) + " |", "|---" * (len(categories) + 1) + "|"]
+        lines += [f"| {app} | " + " | ".join(f"{shares[c]:.0%}" for c in categories) + " |"
+                  for app, shares in prof["shares"].items()]
     return "\n".join(lines) + "\n"
 
 

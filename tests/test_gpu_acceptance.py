@@ -13,7 +13,7 @@ from conftest import REPO, run_to_the_end, tagged_processes
 
 from lingua.tokenizer import default_tokenizer_dir
 
-PARTS = ["environment", "tests", "benchmark", "training", "glue"]
+PARTS = ["environment", "tests", "benchmark", "profile", "training", "glue"]
 
 
 def acceptance_module():
