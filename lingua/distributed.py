@@ -188,10 +188,17 @@ def all_gather_object(obj, group=None) -> list:
     return out
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a tensor for a collective of `group` must live: this rank's GPU for nccl, else the CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def agreed_failure(failure: str | None, group=None) -> str | None:
     """The failure of the first rank that has one (a one-line reason), on every rank; None if no rank failed. One
     all-reduce, and a gather of the reasons only when there is one. Every rank calls it at the same point."""
-    failed = torch.tensor([failure is not None], dtype=torch.int32)
+    failed = torch.tensor([failure is not None], dtype=torch.int32, device=collective_device(group))
     if dist.is_initialized():
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if not failed.item():

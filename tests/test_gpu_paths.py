@@ -86,3 +86,14 @@ def test_attention_backends_agree_in_bf16(layout):
     for backend in ("sdpa", "flex"):
         got = attention(*(t.bfloat16() for t in (q, k, v)), build_attn_bias(mask, backend, 4), backend)
         assert got.dtype == torch.bfloat16 and (got.float() - reference).abs().max() < 2e-2, backend
+
+
+@pytest.mark.parametrize("backend, expected", [("nccl", torch.device("cuda", 3)), ("gloo", torch.device("cpu"))])
+def test_the_library_own_collectives_put_their_tensors_where_the_backend_wants_them(monkeypatch, backend, expected):
+    """nccl takes GPU tensors only: the agreement's flags and a rank's failure travel on this rank's GPU there."""
+    from lingua import distributed
+
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert distributed.collective_device() == expected
