@@ -12,7 +12,7 @@ import torch
 from lingua.app import AppModel
 from lingua.args import require
 from lingua.flops import encoder_flops_per_token, output_head_flops
-from lingua.masking import gather_tokens, masked_positions
+from lingua.masking import MaskedLMHead, gather_tokens, masked_positions
 from lingua.transformer import Encoder, TransformerArgs, default_positions
 
 
@@ -49,6 +49,9 @@ class Bert(AppModel):
     def head_flops_per_token_view(self, seq_len: int) -> float:
         return output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings) * \
             self.args.mask_ratio
+
+    def masked_lm_head(self) -> MaskedLMHead:
+        return MaskedLMHead("encoder", None, self.encoder.output_bias)
 
 
 def build_bert(args: BertArgs, tokenizer) -> Bert:

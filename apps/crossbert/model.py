@@ -25,7 +25,7 @@ from torch import nn
 from lingua.app import AppModel
 from lingua.args import UserError, at_least, require
 from lingua.flops import encoder_flops_per_token, non_embedding_params, output_head_flops
-from lingua.masking import num_masked, random_positions
+from lingua.masking import MaskedLMHead, num_masked, random_positions
 from lingua.transformer import (
     AttnMask,
     CrossAttentionBlock,
@@ -193,6 +193,9 @@ class CrossBert(AppModel):
         """With CMS every token is predicted once per two token-views; without, the masked fraction."""
         predicted = 0.5 if self.args.cms else self.args.mask_ratio
         return output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings) * predicted
+
+    def masked_lm_head(self) -> MaskedLMHead:
+        return MaskedLMHead("predictor", self.predictor, self.encoder.output_bias)
 
     def init_weights(self) -> None:
         super().init_weights()

@@ -22,7 +22,7 @@ from torch import nn
 from lingua.app import AppModel
 from lingua.args import at_least, require
 from lingua.flops import encoder_flops_per_token, output_head_flops
-from lingua.masking import gather_tokens, masked_lm_loss, masked_positions
+from lingua.masking import MaskedLMHead, gather_tokens, masked_lm_loss, masked_positions
 from lingua.transformer import (
     Encoder,
     RMSNorm,
@@ -70,6 +70,7 @@ class Generator(nn.Module):
 
     def __init__(self, args: TransformerArgs):
         super().__init__()
+        self.args = args
         self.rope = RotaryEmbedding(head_dim_of(args), args.max_seqlen, args.rope_theta)
         self.layers = nn.ModuleList(SelfAttentionBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -148,6 +149,9 @@ class Electra(AppModel):
         head = output_head_flops(self.args.encoder.dim, vocab) * self.args.mask_ratio
         return (encoder_flops_per_token(self.args.encoder, seq_len)
                 + encoder_flops_per_token(self.args.generator_transformer(), seq_len) + head)
+
+    def masked_lm_head(self) -> MaskedLMHead:
+        return MaskedLMHead("generator", self.generator, None)  # its tied head has no bias
 
     def head_flops_per_token_view(self, seq_len: int) -> float:
         """The RTD head on every token (the generator's head is already in `flops_per_token_view`)."""
