@@ -2,12 +2,25 @@
 
     python -m lingua.export ckpt=DUMP_DIR_OR_CHECKPOINT out=FOLDER [pooling=auto|mean] [max_len=0]
 
-The folder holds the encoder in plain PyTorch (`modeling_lingua.py`, `configuration_lingua.py`: no Lingua needed to
+The folder holds the model in plain PyTorch (`modeling_lingua.py`, `configuration_lingua.py`: no Lingua needed to
 load it), its weights (`model.safetensors`), the tokenizer (`tokenizer.json`: GPT-2's BPE or the bytes one, with
 `<s> text </s>` added and our special ids), the files that make `SentenceTransformer(FOLDER, trust_remote_code=True)`
 return the model's `pooler_output`, and a model card (`README.md`). Vectors and states are those of
-`lingua.embed.load_embedder(ckpt, pooling=, max_len=)` and `model.encode`. Needs `transformers` (its tiktoken
-converter builds the tokenizer); files of an earlier export in FOLDER are replaced.
+`lingua.embed.load_embedder(ckpt, pooling=, max_len=)` and `model.encode`. config.json's `auto_map` names:
+
+- `AutoModel`: the final states and the sentence embedding;
+- `AutoModelForSequenceClassification`: a linear head on the vector that `classifier_pooling` names (the mean, the
+  first token's state or the attention pooler's, not normalised). A fine-tuning run's model (one with a `head`)
+  gives its head, its `args.pooling` and its GLUE task's label names; any other run a fresh head (`num_labels=N`
+  when loading) on its pooler's vector, or on the mean without one;
+- `AutoModelForTokenClassification`: a fresh linear head on every token's state;
+- `AutoModelForMaskedLM` (and the fill-mask pipeline), only for a model with `masked_lm_head()` (BERT, CrossBERT,
+  ELECTRA: lingua.masking.MaskedLMHead): its predictions at the `<mask>` tokens. The tokenizer of such an export
+  parses the special tokens written in a text (`<mask>` is how a text asks for a prediction); sentence-transformers,
+  and `tokenizer(text, split_special_tokens=True)`, read them as text, as Lingua does and as every other export's
+  tokenizer does.
+
+Needs `transformers` (its tiktoken converter builds the tokenizer); files of an earlier export in FOLDER are replaced.
 """
 
 import importlib.util
@@ -23,8 +36,10 @@ from tiktoken_ext.openai_public import r50k_pat_str
 from lingua.args import UserError, command_line, load_config
 from lingua.checkpoint import Checkpoint
 from lingua.embed import Embedder, load_embedder
+from lingua.eval.glue import TASKS
 from lingua.eval.report import format_table
 from lingua.files import atomic_write
+from lingua.masking import MaskedLMHead
 from lingua.metrics import setup_logging
 from lingua.transformer import ffn_hidden_dim, head_dim_of
 
@@ -57,20 +72,25 @@ def export(args: ExportArgs) -> Path:
     checkpoint = Checkpoint.open(args.ckpt)
     embedder = load_embedder(str(checkpoint.path), "cpu", args.pooling, args.max_len)
     params = checkpoint.params
-    pooler = getattr(embedder.model, "pooler", None) if args.pooling == "auto" else None
-    config = hf_config(embedder, pooler)
+    model = embedder.model
+    pooler = getattr(model, "pooler", None) if args.pooling == "auto" else None
+    head = getattr(model, "head", None)
+    if head is not None and model.args.pooling == "attention" and pooler is None:
+        raise UserError("pooling=mean would leave out the attention pooler that this run's classifier reads")
+    masked_lm = model.masked_lm_head() if hasattr(model, "masked_lm_head") else None
+    config = hf_config(embedder, pooler, masked_lm, params["config"])
     files = {
         "config.json": json_text(config),
         **{name: (TEMPLATE_DIR / name).read_text() for name in CODE_FILES},
         "tokenizer.json": hf_tokenizer(embedder, params["config"]["data"]["tokenizer"]["name"]).to_str(),
-        "tokenizer_config.json": json_text(tokenizer_config(embedder)),
+        "tokenizer_config.json": json_text(tokenizer_config(embedder, parse_special_tokens=masked_lm is not None)),
         **sentence_transformers_files(embedder.max_len),
         "README.md": model_card(checkpoint.path, params, embedder, pooler, config),
     }
     try:
         for name, text in files.items():
             atomic_write(out / name, text)
-        atomic_write(out / "model.safetensors", safetensors_bytes(embedder.model.backbone, pooler))
+        atomic_write(out / "model.safetensors", safetensors_bytes(hf_state_dict(model, pooler, masked_lm)))
     except OSError as e:
         raise UserError(f"cannot write {out}: {e.strerror}") from None
     return out
@@ -83,17 +103,19 @@ def json_text(value) -> str:
 # ---------------------------------------------------------------------------------------------- model and weights
 
 
-def hf_config(embedder: Embedder, pooler) -> dict:
-    """config.json: the fields of configuration_lingua.LinguaConfig, and the classes that AutoModel loads."""
-    backbone, tokenizer = embedder.model.backbone, embedder.tokenizer
+def hf_config(embedder: Embedder, pooler, masked_lm: MaskedLMHead | None, train: dict) -> dict:
+    """config.json: the fields of configuration_lingua.LinguaConfig, and the classes that the Auto classes load."""
+    model, tokenizer = embedder.model, embedder.tokenizer
+    backbone = model.backbone
     encoder = backbone.args
-    pooler_shape = {"pooler_num_layers": 0, "pooler_num_attention_heads": 0, "pooler_head_dim": 0}
-    if pooler is not None:
-        pooler_shape = {"pooler_num_layers": pooler.args.n_layers, "pooler_num_attention_heads": pooler.args.n_heads,
-                        "pooler_head_dim": head_dim_of(pooler.args)}
+    head = getattr(model, "head", None)
+    classes = {"AutoModel": "LinguaModel", "AutoModelForSequenceClassification": "LinguaForSequenceClassification",
+               "AutoModelForTokenClassification": "LinguaForTokenClassification",
+               **({"AutoModelForMaskedLM": "LinguaForMaskedLM"} if masked_lm else {})}
     return {
-        "architectures": ["LinguaModel"],
-        "auto_map": {"AutoConfig": "configuration_lingua.LinguaConfig", "AutoModel": "modeling_lingua.LinguaModel"},
+        "architectures": ["LinguaModel" if head is None else "LinguaForSequenceClassification"],
+        "auto_map": {"AutoConfig": "configuration_lingua.LinguaConfig",
+                     **{auto: f"modeling_lingua.{name}" for auto, name in classes.items()}},
         "model_type": "lingua",
         "dtype": str(backbone.tok_embeddings.weight.dtype).removeprefix("torch."),
         "vocab_size": tokenizer.vocab_size,
@@ -107,7 +129,9 @@ def hf_config(embedder: Embedder, pooler) -> dict:
         "max_position_embeddings": encoder.max_seqlen,
         "scale_embeddings": encoder.scale_embeddings,
         "pooling": "mean" if pooler is None else "attention",
-        **pooler_shape,
+        **shape_fields("pooler_", pooler),
+        **classifier_fields(model, pooler, train),
+        **masked_lm_fields(masked_lm),
         "initializer_range": encoder.init_std,
         "bos_token_id": tokenizer.bos_id,
         "eos_token_id": tokenizer.eos_id,
@@ -116,19 +140,61 @@ def hf_config(embedder: Embedder, pooler) -> dict:
     }
 
 
-def hf_state_dict(backbone: torch.nn.Module, pooler) -> dict[str, torch.Tensor]:
-    """modeling_lingua.LinguaModel keeps the encoder's parameter names, and the pooler's under `pooler.`; the output
-    head's bias is pre-training's only, not the encoder's."""
-    state = {name: value for name, value in backbone.state_dict().items() if name != "output_bias"}
-    if pooler is not None:
-        state |= {f"pooler.{name}": value for name, value in pooler.state_dict().items()}
+def shape_fields(prefix: str, network) -> dict:
+    """The depth and heads of a network beside the encoder (the pooler, the predictor or the generator); zeros for
+    none."""
+    args = None if network is None else network.args
+    return {f"{prefix}num_layers": args.n_layers if args else 0,
+            f"{prefix}num_attention_heads": args.n_heads if args else 0,
+            f"{prefix}head_dim": head_dim_of(args) if args else 0}
+
+
+def classifier_fields(model: torch.nn.Module, pooler, train: dict) -> dict:
+    """What LinguaForSequenceClassification reads: a fine-tuning run's head (its pooling, and its GLUE task's label
+    names), else a fresh head on the pooler's vector, or on the mean without a pooler."""
+    head = getattr(model, "head", None)
+    if head is None:
+        return {"classifier_pooling": "mean" if pooler is None else "attention"}
+    n_labels = head.out_features
+    task = TASKS.get(train["data"].get("task"))
+    names = task.labels if task and len(task.labels) == n_labels else [f"LABEL_{i}" for i in range(n_labels)]
+    return {"classifier_pooling": model.args.pooling,
+            "problem_type": "regression" if n_labels == 1 else "single_label_classification",
+            "id2label": dict(enumerate(names)), "label2id": {name: i for i, name in enumerate(names)}}
+
+
+def masked_lm_fields(masked_lm: MaskedLMHead | None) -> dict:
+    """What LinguaForMaskedLM reads: the network that predicts the masked tokens, and the tied head's bias."""
+    if masked_lm is None:
+        return {"masked_lm": "none"}
+    network = masked_lm.network
+    shape = {} if network is None else {
+        **shape_fields("mlm_", network), "mlm_hidden_size": network.args.dim,
+        "mlm_intermediate_size": ffn_hidden_dim(network.args.dim, network.args.ffn_multiple_of),
+        "mlm_rope_theta": network.args.rope_theta}
+    return {"masked_lm": masked_lm.reader, "mlm_output_bias": masked_lm.output_bias is not None, **shape}
+
+
+def hf_state_dict(model: torch.nn.Module, pooler, masked_lm: MaskedLMHead | None) -> dict[str, torch.Tensor]:
+    """modeling_lingua keeps the encoder's parameter names; the pooler's, the predictor's or generator's and the
+    classifier's are under `pooler.`, `predictor.` or `generator.` and `classifier.`; the tied head's bias is
+    `output_bias`, kept when the masked-LM head reads it."""
+    state = {name: value for name, value in model.backbone.state_dict().items() if name != "output_bias"}
+    modules = {"pooler": pooler, "classifier": getattr(model, "head", None)}
+    if masked_lm is not None:
+        modules[masked_lm.reader] = masked_lm.network  # none for the encoder's own states
+        if masked_lm.output_bias is not None:
+            state["output_bias"] = masked_lm.output_bias
+    for prefix, module in modules.items():
+        if module is not None:
+            state |= {f"{prefix}.{name}": value for name, value in module.state_dict().items()}
     return {name: value.detach().cpu().contiguous() for name, value in state.items()}
 
 
-def safetensors_bytes(backbone: torch.nn.Module, pooler) -> bytes:
+def safetensors_bytes(state: dict[str, torch.Tensor]) -> bytes:
     from safetensors.torch import save
 
-    return save(hf_state_dict(backbone, pooler), metadata={"format": "pt"})
+    return save(state, metadata={"format": "pt"})
 
 
 # ------------------------------------------------------------------------------------------------------ tokenizer
@@ -175,12 +241,14 @@ def byte_vocab() -> tuple[dict[str, int], list]:
     return {char: byte for byte, char in bytes_to_unicode().items()}, []
 
 
-def tokenizer_config(embedder: Embedder) -> dict:
+def tokenizer_config(embedder: Embedder, parse_special_tokens: bool) -> dict:
+    """parse_special_tokens (an export with a masked-LM head): `<mask>` written in a text is the mask token, as the
+    fill-mask pipeline needs, and so are the other special tokens; else they are text, as in Lingua."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "mask_token": "<mask>",
         "model_max_length": embedder.max_len,
-        "split_special_tokens": True,  # "<s>" in a text is text, as in Lingua
+        "split_special_tokens": not parse_special_tokens,
         "clean_up_tokenization_spaces": False,
         "model_input_names": ["input_ids", "attention_mask"],
         "padding_side": "right",
@@ -192,12 +260,14 @@ def tokenizer_config(embedder: Embedder) -> dict:
 
 def sentence_transformers_files(max_len: int) -> dict[str, str]:
     """One module, sentence-transformers' Transformer, whose sentence embedding is the model's pooler_output (already
-    normalised): no Pooling or Normalize module."""
+    normalised): no Pooling or Normalize module. Special tokens written in a text are text, as in Lingua, also where
+    the tokenizer parses them (an export with a masked-LM head)."""
     module = "sentence_transformers.base.modules.transformer.Transformer"
     modules = [{"idx": 0, "name": "0", "path": "", "type": module}]
     module_config = {
         "transformer_task": "feature-extraction",
         "modality_config": {"text": {"method": "forward", "method_output_name": "pooler_output"}},
+        "processing_kwargs": {"text": {"split_special_tokens": True}},
         "module_output_name": "sentence_embedding",
         "max_seq_length": max_len,
         "do_lower_case": False,
@@ -265,22 +335,61 @@ embeddings = model.encode(["a sentence", "another one"])  # [2, dim], unit rows
 ```
 """
 
+CLASSIFIER_VECTORS = {"mean": "the mean of the final states over the real tokens", "first": "the state of `<s>`",
+                      "attention": "the attention pooler's vector"}
+
+
+def heads_usage(config: dict) -> str:
+    """The model card's snippet for the task heads that config.json names."""
+    fine_tuned = "id2label" in config
+    lines = ["```python", "from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification"
+             + (", pipeline" if config["masked_lm"] != "none" else ""),
+             'folder = "path/to/this/folder"',
+             "classifier = AutoModelForSequenceClassification.from_pretrained(folder, "
+             + ("trust_remote_code=True)  # the fine-tuned head" if fine_tuned else
+                "num_labels=3, trust_remote_code=True)  # a fresh head"),
+             "tagger = AutoModelForTokenClassification.from_pretrained(folder, num_labels=9, trust_remote_code=True)"]
+    if config["masked_lm"] != "none":
+        lines += ['fill_mask = pipeline("fill-mask", model=folder, trust_remote_code=True)',
+                  'fill_mask("The cat sat on the <mask>.")  # in this export, <mask> written in a text is the mask']
+    return "\n".join([*lines, "```", ""])
+
+
+def heads_row(config: dict) -> str:
+    vector = f"{CLASSIFIER_VECTORS[config['classifier_pooling']]}, not normalised"
+    if "id2label" in config:
+        labels = ("a regression score" if config["problem_type"] == "regression" else
+                  ", ".join(f"`{name}`" for name in config["id2label"].values()))
+        classifier = f"the fine-tuned linear head ({labels}) on {vector}"
+    else:
+        classifier = f"a fresh linear head on {vector}"
+    masked_lm = {
+        "none": "none (this run predicts no token)",
+        "encoder": "the output head tied to the token embedding, on the final states",
+        "predictor": f"CrossBERT's predictor ({config.get('mlm_num_layers')} cross-attention block(s)) reading the "
+                     "tokens other than `<mask>`, then the tied output head",
+        "generator": f"ELECTRA's generator ({config.get('mlm_num_layers')} block(s)), then the tied output head",
+    }[config["masked_lm"]]
+    return f"| heads | sequence classification: {classifier}; token classification: a fresh linear head; " \
+           f"masked LM: {masked_lm} |"
+
 
 def model_card(checkpoint: Path, params: dict, embedder: Embedder, pooler, config: dict) -> str:
     run = run_folder(checkpoint)
     probes = probe_tables(run) or ["No `glue_eval/*/results.json` next to the run."]
     return "\n".join([
-        "---", "library_name: transformers", "pipeline_tag: sentence-similarity",
+        "---", "library_name: transformers",
+        f"pipeline_tag: {'text-classification' if 'id2label' in config else 'sentence-similarity'}",
         "tags: [sentence-transformers, feature-extraction, lingua]", "---", "",
         f"# {embedder.name}", "",
         f"A text encoder trained with Lingua (app `{params['app']}`), exported from `{checkpoint}` by "
         "`python -m lingua.export`.", "",
         "| | |", "|---|---|", *card_rows(run, params["config"], embedder, pooler, config), "",
-        "## Frozen GLUE probes", "", *probes, "", USAGE])
+        "## Frozen GLUE probes", "", *probes, "", USAGE, heads_usage(config)])
 
 
 def card_rows(run: Path, train: dict, embedder: Embedder, pooler, config: dict) -> list[str]:
-    """The model card's table: shape, size, vocabulary, input, training and pooling."""
+    """The model card's table: shape, size, vocabulary, input, training, pooling and heads."""
     encoder_params = sum(p.numel() for p in embedder.model.backbone.parameters())
     pooler_params = sum(p.numel() for p in pooler.parameters()) if pooler is not None else 0
     metrics = last_metrics(run)
@@ -306,6 +415,7 @@ def card_rows(run: Path, train: dict, embedder: Embedder, pooler, config: dict) 
         f"{train['data'].get('batch_size')} per process |",
         *([f"| started from | `{train['init_from']}` |"] if train.get("init_from") else []),
         f"| pooling | {pooling} |",
+        heads_row(config),
     ]
 
 

@@ -1,14 +1,24 @@
 """A text encoder exported from Lingua, in plain PyTorch for `transformers` (`trust_remote_code=True`).
 
 Copied into every export folder by `python -m lingua.export`; it needs `torch` and `transformers`, not the Lingua
-repository. It computes what Lingua's `Encoder.encode` and poolers compute, operation for operation:
+repository. It computes what Lingua computes, operation for operation:
 
-- token embedding (times sqrt(hidden_size) with `scale_embeddings`), pre-norm blocks (RMSNorm, bidirectional
-  self-attention with RoPE on the two halves of each head, SwiGLU), a final RMSNorm: `last_hidden_state`;
-- padding: a real token attends to the real tokens only, a padding token to the padding only (Lingua's mask);
-- `pooler_output`, the L2-normalised sentence embedding: the mean of the real tokens' states (`pooling="mean"`),
-  or a learned query that reads them through cross-attention blocks without RoPE, then an RMSNorm
-  (`pooling="attention"`).
+- `LinguaModel` (AutoModel), Lingua's `Encoder.encode` and poolers: token embedding (times sqrt(hidden_size) with
+  `scale_embeddings`), pre-norm blocks (RMSNorm, bidirectional self-attention with RoPE on the two halves of each
+  head, SwiGLU), a final RMSNorm: `last_hidden_state`; padding: a real token attends to the real tokens only, a
+  padding token to the padding only (Lingua's mask); `pooler_output`, the L2-normalised sentence embedding: the mean
+  of the real tokens' states (`pooling="mean"`), or a learned query that reads them through cross-attention blocks
+  without RoPE, then an RMSNorm (`pooling="attention"`);
+- `LinguaForSequenceClassification`: a linear head on the vector that `classifier_pooling` names, not normalised:
+  the float32 mean of the real tokens' states, the first token's (`<s>`), or the attention pooler's;
+- `LinguaForTokenClassification`: a linear head on every token's state;
+- `LinguaForMaskedLM` (`masked_lm` other than "none"): the output head tied to the token embedding (plus the
+  run's output bias, `mlm_output_bias`) on the states of what predicts a `<mask>` in Lingua. `encoder` (BERT): the
+  encoder's final states. `predictor` (CrossBERT): the encoder reads the real tokens other than `<mask>` only (the
+  `<mask>` tokens never enter its attention), and the predictor puts its learned mask embedding at every position,
+  which reads those states through cross-attention only, RoPE at each query's and key's position: at a `<mask>`
+  this is CrossBERT's prediction; at another position, its prediction of that token from the same tokens, itself
+  included. `generator` (ELECTRA): the generator's blocks over the encoder's token embeddings of the input.
 """
 
 import math
@@ -17,7 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPooling,
+    MaskedLMOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
 
 from .configuration_lingua import LinguaConfig
 
@@ -33,10 +48,12 @@ class LinguaRMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def rope_tables(config: LinguaConfig, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [1, seq_len, 1, head_dim // 2]: rows of the whole table, computed as Lingua computes it."""
-    dim = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+def rope_tables(config: LinguaConfig, head_dim: int, theta: float, seq_len: int,
+                device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [1, seq_len, 1, head_dim // 2]: the first rows of the whole table, computed as Lingua computes it."""
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(f"{seq_len} tokens: this model takes at most {config.max_position_embeddings}")
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
     positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)[:seq_len]
     return angles.cos()[None, :, None], angles.sin()[None, :, None]
@@ -46,6 +63,20 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
     cos, sin = rope
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+def same_group(groups: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, 1, S, S] bool: a token attends to the tokens of its own group (groups [B, S] ints); None: to all."""
+    return None if groups is None else (groups[:, :, None] == groups[:, None, :])[:, None]
+
+
+def real_tokens(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if attention_mask is None else attention_mask.bool()
+
+
+def padding_groups(real: torch.Tensor | None) -> torch.Tensor | None:
+    """Lingua's padding mask as groups: the real tokens (True) in one, the padding in the other."""
+    return None if real is None else (~real).int()
 
 
 class LinguaAttention(nn.Module):
@@ -87,17 +118,29 @@ class LinguaFeedForward(nn.Module):
 class LinguaBlock(nn.Module):
     """RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual. Self-attention when context is None."""
 
-    def __init__(self, config: LinguaConfig, n_heads: int, head_dim: int):
+    def __init__(self, dim: int, n_heads: int, head_dim: int, hidden_dim: int, eps: float):
         super().__init__()
-        self.attention_norm = LinguaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attention = LinguaAttention(config.hidden_size, n_heads, head_dim)
-        self.ffn_norm = LinguaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.feed_forward = LinguaFeedForward(config.hidden_size, config.intermediate_size)
+        self.attention_norm = LinguaRMSNorm(dim, eps)
+        self.attention = LinguaAttention(dim, n_heads, head_dim)
+        self.ffn_norm = LinguaRMSNorm(dim, eps)
+        self.feed_forward = LinguaFeedForward(dim, hidden_dim)
 
     def forward(self, h, rope, allowed, context=None):
         x = self.attention_norm(h)
         h = h + self.attention(x, x if context is None else context, rope, allowed)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def blocks(config: LinguaConfig, n_layers: int, dim: int, n_heads: int, head_dim: int,
+           hidden_dim: int) -> nn.ModuleList:
+    return nn.ModuleList(LinguaBlock(dim, n_heads, head_dim, hidden_dim, config.rms_norm_eps)
+                         for _ in range(n_layers))
+
+
+def mlm_blocks(config: LinguaConfig) -> nn.ModuleList:
+    """The predictor's or the generator's blocks."""
+    return blocks(config, config.mlm_num_layers, config.mlm_hidden_size, config.mlm_num_attention_heads,
+                  config.mlm_head_dim, config.mlm_intermediate_size)
 
 
 class LinguaAttentionPooler(nn.Module):
@@ -107,12 +150,12 @@ class LinguaAttentionPooler(nn.Module):
     def __init__(self, config: LinguaConfig):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(config.hidden_size))
-        self.layers = nn.ModuleList(
-            LinguaBlock(config, config.pooler_num_attention_heads, config.pooler_head_dim)
-            for _ in range(config.pooler_num_layers))
+        self.layers = blocks(config, config.pooler_num_layers, config.hidden_size, config.pooler_num_attention_heads,
+                             config.pooler_head_dim, config.intermediate_size)
         self.norm = LinguaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+        """[B, D] float32, before the L2 normalisation."""
         h = self.query.expand(hidden.shape[0], 1, -1)
         allowed = None if real is None else real[:, None, None, :]
         for layer in self.layers:
@@ -120,15 +163,69 @@ class LinguaAttentionPooler(nn.Module):
         return self.norm(h)[:, 0].float()
 
 
+class LinguaPredictor(nn.Module):
+    """CrossBERT's predictor: its mask embedding at every position reads the encoder's states of the visible tokens
+    through cross-attention blocks, then a final norm; projections in and out when its width is not the encoder's."""
+
+    def __init__(self, config: LinguaConfig):
+        super().__init__()
+        self.config = config
+        dim = config.mlm_hidden_size
+        resize = dim != config.hidden_size
+        self.mask_embedding = nn.Parameter(torch.zeros(dim))
+        self.context_proj = nn.Linear(config.hidden_size, dim, bias=False) if resize else nn.Identity()
+        self.layers = mlm_blocks(config)
+        self.norm = LinguaRMSNorm(dim, config.rms_norm_eps)
+        self.output_proj = nn.Linear(dim, config.hidden_size, bias=False) if resize else nn.Identity()
+
+    def forward(self, hidden: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """hidden [B, S, D], visible [B, S] bool: the keys every query reads -> [B, S, D]."""
+        B, S = visible.shape
+        h = self.mask_embedding.expand(B, S, -1)
+        context = self.context_proj(hidden)
+        rope = rope_tables(self.config, self.config.mlm_head_dim, self.config.mlm_rope_theta, S, hidden.device)
+        for layer in self.layers:
+            h = layer(h, rope, visible[:, None, None, :], context=context)
+        return self.output_proj(self.norm(h))
+
+
+class LinguaGenerator(nn.Module):
+    """ELECTRA's generator: self-attention blocks and a final norm over the encoder's token embeddings."""
+
+    def __init__(self, config: LinguaConfig):
+        super().__init__()
+        self.config = config
+        self.layers = mlm_blocks(config)
+        self.norm = LinguaRMSNorm(config.mlm_hidden_size, config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+        rope = rope_tables(self.config, self.config.mlm_head_dim, self.config.mlm_rope_theta, h.shape[1], h.device)
+        allowed = same_group(groups)
+        for layer in self.layers:
+            h = layer(h, rope, allowed)
+        return self.norm(h)
+
+
 class LinguaPreTrainedModel(PreTrainedModel):
     config_class = LinguaConfig
     base_model_prefix = "lingua"
     _no_split_modules = ["LinguaBlock"]
+    # one model.safetensors holds every head's weights: each class takes its own
+    _keys_to_ignore_on_load_unexpected = [r"^classifier\.", r"^token_classifier\.", r"^predictor\.",
+                                          r"^generator\.", r"^output_bias$"]
 
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, LinguaAttentionPooler):
             nn.init.normal_(module.query, std=self.config.initializer_range)
+        elif isinstance(module, LinguaPredictor):
+            nn.init.normal_(module.mask_embedding, std=self.config.initializer_range)
+        elif isinstance(module, LinguaForMaskedLM) and module.output_bias is not None:
+            nn.init.zeros_(module.output_bias)
+
+
+def returned(output, return_dict: bool | None):
+    return output.to_tuple() if return_dict is False else output  # a tuple when asked, as transformers' models
 
 
 class LinguaModel(LinguaPreTrainedModel):
@@ -137,8 +234,8 @@ class LinguaModel(LinguaPreTrainedModel):
     def __init__(self, config: LinguaConfig):
         super().__init__(config)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LinguaBlock(config, config.num_attention_heads, config.head_dim) for _ in range(config.num_hidden_layers))
+        self.layers = blocks(config, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                             config.head_dim, config.intermediate_size)
         self.norm = LinguaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.pooler = LinguaAttentionPooler(config) if config.pooling == "attention" else None
         self.post_init()
@@ -151,28 +248,111 @@ class LinguaModel(LinguaPreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 return_dict: bool | None = None):
-        seq_len = input_ids.shape[1]
-        if seq_len > self.config.max_position_embeddings:
-            raise ValueError(f"{seq_len} tokens: this model takes at most {self.config.max_position_embeddings}")
-        real = None if attention_mask is None else attention_mask.bool()
-        # Lingua's padding mask: a query attends to a key iff both are real tokens or both are padding
-        allowed = None if real is None else (real[:, :, None] == real[:, None, :])[:, None]
+        real = real_tokens(attention_mask)
+        hidden = self.encode(input_ids, padding_groups(real))
+        pooled = F.normalize(self.pooled(hidden, real, self.config.pooling), dim=-1)
+        return returned(BaseModelOutputWithPooling(last_hidden_state=hidden, pooler_output=pooled), return_dict)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(input_ids)
-        if self.config.scale_embeddings:
-            h = h * math.sqrt(self.config.hidden_size)
-        rope = rope_tables(self.config, seq_len, input_ids.device)
+        return h * math.sqrt(self.config.hidden_size) if self.config.scale_embeddings else h
+
+    def encode(self, input_ids: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+        """The final states [B, S, D]; a token attends to the tokens of its group (`same_group`)."""
+        config = self.config
+        rope = rope_tables(config, config.head_dim, config.rope_theta, input_ids.shape[1], input_ids.device)
+        h = self.embed(input_ids)
+        allowed = same_group(groups)
         for layer in self.layers:
             h = layer(h, rope, allowed)
-        hidden = self.norm(h)
-        if self.pooler is not None:
-            pooled = self.pooler(hidden, real)
-        else:
-            pooled = mean_pool(hidden, torch.ones_like(input_ids, dtype=torch.bool) if real is None else real)
-        output = BaseModelOutputWithPooling(last_hidden_state=hidden, pooler_output=F.normalize(pooled, dim=-1))
-        return output.to_tuple() if return_dict is False else output  # a tuple when asked, as transformers' models
+        return self.norm(h)
+
+    def pooled(self, hidden: torch.Tensor, real: torch.Tensor | None, kind: str) -> torch.Tensor:
+        """[B, D] float32 before the L2 normalisation: `kind` is "attention", "first" or "mean"."""
+        if kind == "attention":
+            return self.pooler(hidden, real)
+        return hidden[:, 0].float() if kind == "first" else mean_pool(hidden, real)
 
 
-def mean_pool(hidden: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """The mean over the real tokens, in float32."""
+def mean_pool(hidden: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """The mean over the real tokens (all when real is None), in float32."""
+    if real is None:
+        return hidden.float().mean(1)
     mask = real.unsqueeze(-1).float()
     return (hidden.float() * mask).sum(1) / mask.sum(1).clamp_min(1)
+
+
+class LinguaForSequenceClassification(LinguaPreTrainedModel):
+    """logits [B, num_labels]: a linear head on the pooled vector; with labels, transformers' loss (regression
+    when num_labels is 1)."""
+
+    def __init__(self, config: LinguaConfig):
+        super().__init__(config)
+        if config.classifier_pooling == "attention" and config.pooling != "attention":
+            raise ValueError("classifier_pooling='attention' reads the attention pooler, which this export has not "
+                             "(pooling='mean'): use classifier_pooling='mean' or 'first'")
+        self.num_labels = config.num_labels
+        self.lingua = LinguaModel(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, return_dict: bool | None = None):
+        real = real_tokens(attention_mask)
+        hidden = self.lingua.encode(input_ids, padding_groups(real))
+        logits = self.classifier(self.lingua.pooled(hidden, real, self.config.classifier_pooling))
+        loss = None if labels is None else self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
+        return returned(SequenceClassifierOutput(loss=loss, logits=logits), return_dict)
+
+
+class LinguaForTokenClassification(LinguaPreTrainedModel):
+    """logits [B, S, num_labels]: a linear head on every token's state; labels -100 are left out of the loss."""
+
+    def __init__(self, config: LinguaConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.lingua = LinguaModel(config)
+        self.token_classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, return_dict: bool | None = None):
+        real = real_tokens(attention_mask)
+        logits = self.token_classifier(self.lingua.encode(input_ids, padding_groups(real)))
+        loss = None if labels is None else self.loss_function(logits, labels, self.config)
+        return returned(TokenClassifierOutput(loss=loss, logits=logits), return_dict)
+
+
+class LinguaForMaskedLM(LinguaPreTrainedModel):
+    """logits [B, S, vocab_size] of the tied head at every position; those at the `<mask>` tokens are Lingua's
+    predictions; labels -100 are left out of the loss."""
+
+    def __init__(self, config: LinguaConfig):
+        super().__init__(config)
+        if config.masked_lm == "none":
+            raise ValueError("this export has no masked-LM head: its run (contrastive or fine-tuning) predicts no "
+                             "token; AutoModel gives its states")
+        self.lingua = LinguaModel(config)
+        self.predictor = LinguaPredictor(config) if config.masked_lm == "predictor" else None
+        self.generator = LinguaGenerator(config) if config.masked_lm == "generator" else None
+        self.output_bias = nn.Parameter(torch.zeros(config.vocab_size)) if config.mlm_output_bias else None
+        self.post_init()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, return_dict: bool | None = None):
+        real = real_tokens(attention_mask)
+        logits = F.linear(self.predicting_states(input_ids, real), self.lingua.tok_embeddings.weight, self.output_bias)
+        loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
+        return returned(MaskedLMOutput(loss=loss, logits=logits), return_dict)
+
+    def predicting_states(self, input_ids: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+        """[B, S, hidden_size]: the states the tied head reads."""
+        if self.predictor is not None:
+            real = torch.ones_like(input_ids, dtype=torch.bool) if real is None else real
+            visible = real & (input_ids != self.config.mask_token_id)
+            # groups: the visible tokens (0), the <mask> tokens (1) and the padding (2) attend within themselves
+            hidden = self.lingua.encode(input_ids, (~visible).int() + (~real).int())
+            return self.predictor(hidden, visible)
+        if self.generator is not None:
+            return self.generator(self.lingua.embed(input_ids), padding_groups(real))
+        return self.lingua.encode(input_ids, padding_groups(real))
