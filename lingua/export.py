@@ -213,7 +213,9 @@ def hf_tokenizer(embedder: Embedder, name: str):
     split = pre_tokenizers.Split(Regex(r50k_pat_str), behavior="isolated")  # tiktoken's pre-split of r50k_base
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level]) if name == "gpt2" else byte_level
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    # a GPT-2 word carries its leading space: in "the <mask>" the mask stands for " mat" (RoBERTa's <mask> does too)
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False,
+                                             lstrip=name == "gpt2" and token == "<mask>") for token in SPECIAL_TOKENS])
     ids = [tokenizer.token_to_id(token) for token in SPECIAL_TOKENS]
     if ids != [ours.bos_id, ours.eos_id, ours.pad_id, ours.mask_id]:
         raise RuntimeError(f"the exported special tokens got ids {ids}, ours are {ours.bos_id}..{ours.mask_id}")

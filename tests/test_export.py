@@ -127,6 +127,9 @@ def test_gpt2_tokenizer_and_model_match_ours(tmp_path):
     assert tokenizer(long, truncation=True)["input_ids"] == encode_example(ours, (long,), embedder.max_len)
     assert tokenizer("a b", "c")["input_ids"] == encode_example(ours, ("a b", "c"), embedder.max_len)
     assert tokenizer.decode(tokenizer(TEXTS[2])["input_ids"], skip_special_tokens=True) == TEXTS[2]
+    # a masked-LM export parses <mask>, which takes the space before it, as a GPT-2 word does
+    assert tokenizer("the <mask>.")["input_ids"] == [ours.bos_id, *ours.encode("the"), ours.mask_id,
+                                                      *ours.encode("."), ours.eos_id]
 
 
 def test_the_exported_code_needs_only_torch_and_transformers(runs, tmp_path):
