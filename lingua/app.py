@@ -33,7 +33,7 @@ from lingua.data import build_train_loader, load_validation, repartition
 from lingua.distributed import DistributedArgs, Launch
 from lingua.parallel import parallelize
 from lingua.scaling import ScalingLaws
-from lingua.transformer import Encoder, PreNormBlock, init_weights
+from lingua.transformer import Encoder, PreNormBlock, TransformerArgs, init_weights
 
 
 class AppModel(nn.Module, abc.ABC):
@@ -43,6 +43,8 @@ class AppModel(nn.Module, abc.ABC):
 
     views_per_sequence = 1  # token-views per data sequence in one step (CrossBERT with CMS: 2): throughput, compute
     backbone_name = "encoder"  # the attribute holding the `Encoder` that `encode` runs
+    evaluation_methods: tuple[str, ...] = ("encode",)  # what evaluation calls instead of forward (FSDP gathers the
+    # weights for them too)
 
     @abc.abstractmethod
     def make_batch(self, tokens: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -90,6 +92,11 @@ class AppModel(nn.Module, abc.ABC):
         """Fills every parameter and buffer after materialisation from the meta device (under torch.no_grad)."""
         init_weights(self, self.backbone.args.init_std)
 
+    def pooler_warm_start(self) -> tuple[TransformerArgs, dict[str, torch.Tensor]] | None:
+        """What starts another run's attention pooler (lingua/pretrained.py): its block shapes and its weights under
+        the pooler's names (lingua/pooler.py); None: nothing (a cold start)."""
+        return None
+
 
 @dataclass(frozen=True)
 class DataPipeline:
@@ -115,6 +122,8 @@ class App:
     configure: Callable[[Any], Any] | None = None  # the config adjusted before the run (e.g. from init_from)
     load_init: Callable[[Any, Any], dict] | None = None  # (init_from's Checkpoint, model) -> the config it was
     # trained with; default: the checkpoint's weights into the model as it is (Checkpoint.load_into)
+    validate: Callable | None = None  # (model, validation rows, config, device, Launch) -> {"val/...": value},
+    # equal on every rank: the app's own validation, in place of the loss on the validation rows
     parallelize: Callable | None = None  # (model, DistributedArgs, Launch, device): the app's own parallelism
     # plan; default: activation checkpointing, compile and FSDP2 per sharding unit (lingua/parallel.py)
     scaling: ScalingLaws | None = None  # its batch-size and learning-rate laws, for `apps.scaling plan`

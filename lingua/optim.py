@@ -1,4 +1,5 @@
-"""AdamW with linear warm-up then cosine decay to a minimum learning rate (paper: betas 0.9/0.95, min lr 1e-6).
+"""AdamW with linear warm-up then a cosine (pre-training; paper: betas 0.9/0.95, min lr 1e-6) or linear (fine-tuning)
+decay to a minimum learning rate.
 
 The schedule is a pure function of the step and the run's length (`lr_at`), set before every step: nothing about
 it is checkpointed, so a resumed run, or one extended to more steps, follows the schedule of its current config.
@@ -12,16 +13,19 @@ from torch import nn
 
 from lingua.args import at_least, require
 
+DECAYS = ("cosine", "linear")
+
 
 @dataclass
 class OptimArgs:
     lr: float = 6e-4  # peak learning rate (AdamW)
-    lr_min: float = 1e-6  # end of the cosine decay
+    lr_min: float = 1e-6  # end of the decay
     weight_decay: float = 0.1  # decoupled; none on norms and embeddings
     beta1: float = 0.9  # AdamW
     beta2: float = 0.95  # AdamW
     eps: float = 1e-8  # AdamW
     warmup: int = 2000  # steps of linear warm-up from 0
+    decay: str = "cosine"  # cosine | linear: from lr after the warm-up to lr_min at the last step
     clip: float = 1.0  # max global grad norm; 0 disables clipping
 
     def __post_init__(self):
@@ -31,6 +35,7 @@ class OptimArgs:
         for name in ("beta1", "beta2"):
             require(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
         at_least(self, 0, "weight_decay", "warmup", "clip")
+        require(self.decay in DECAYS, "decay", f"must be one of {', '.join(DECAYS)}, got '{self.decay}'")
 
 
 def lr_at(step: int, args: OptimArgs, total_steps: int) -> float:
@@ -39,7 +44,8 @@ def lr_at(step: int, args: OptimArgs, total_steps: int) -> float:
         return args.lr * (step + 1) / args.warmup
     decay_steps = max(total_steps - args.warmup, 1)
     progress = min((step - args.warmup) / decay_steps, 1.0)
-    return args.lr_min + 0.5 * (args.lr - args.lr_min) * (1 + math.cos(math.pi * progress))
+    remaining = 1 - progress if args.decay == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return args.lr_min + (args.lr - args.lr_min) * remaining
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

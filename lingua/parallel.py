@@ -44,7 +44,8 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], args: DistributedArgs
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-        register_fsdp_forward_method(model, "encode")  # evaluation calls encode, not forward: gather there too
+        for method in getattr(model, "evaluation_methods", ("encode",)):  # called outside forward: gather there too
+            register_fsdp_forward_method(model, method)
     return model
 
 

@@ -45,7 +45,7 @@ class PoolerArgs:
 
 
 class AttentionPooler(nn.Module):
-    """[B, S, D] token states and their pad mask -> [B, D] unit vectors."""
+    """[B, S, D] token states and their pad mask -> [B, D] unit vectors (`pooled`: before the normalisation)."""
 
     def __init__(self, args: TransformerArgs):
         super().__init__()
@@ -55,6 +55,10 @@ class AttentionPooler(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, hidden: torch.Tensor, pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return F.normalize(self.pooled(hidden, pad_mask), dim=-1)
+
+    def pooled(self, hidden: torch.Tensor, pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, D] float32 before the L2 normalisation: what a classifier head reads."""
         B, S = hidden.shape[:2]
         h = self.query.expand(B, 1, -1)
         no_rotation = _identity_rope(B, max(S, 1), head_dim_of(self.args), hidden.device)
@@ -64,7 +68,7 @@ class AttentionPooler(nn.Module):
         bias = build_attn_bias(mask, self.args.attn_backend, self.args.n_heads)
         for layer in self.layers:
             h = layer(h, hidden, q_rope, no_rotation, bias)
-        return F.normalize(self.norm(h)[:, 0].float(), dim=-1)
+        return self.norm(h)[:, 0].float()
 
 
 def _identity_rope(batch: int, seq_len: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:

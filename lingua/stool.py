@@ -55,7 +55,7 @@ from lingua.files import atomic_write
 from lingua.metrics import read_metrics
 
 CODE_PACKAGES = ("lingua", "apps")  # copied whole (configs and data files too) into every run's dump_dir/code
-PATH_KEYS = ("dump_dir", "data.root_dir", "data.tokenizer.path", "init_from", "eval.data")  # made absolute
+PATH_KEYS = ("dump_dir", "data.root_dir", "data.path", "data.tokenizer.path", "init_from", "eval.data")  # made absolute
 CLUSTERS = ("slurm", "local")
 
 

@@ -19,6 +19,8 @@ job is requeued and resumes by itself.
 """
 
 import dataclasses
+import functools
+import json
 import logging
 import math
 import sys
@@ -48,7 +50,7 @@ from lingua.distributed import (
 )
 from lingua.divergence import Diverged, NonFiniteGuard
 from lingua.eval.glue import GlueEvalArgs, check_args
-from lingua.files import remove_partial_writes
+from lingua.files import atomic_write, remove_partial_writes
 from lingua.flops import count_params
 from lingua.lifecycle import RunLock, StopSignal, agree, requeue_slurm_job, stop_signals_held_for_the_main_thread
 from lingua.metrics import (
@@ -106,6 +108,7 @@ class TrainState:
     data_tokens: int = 0  # data tokens trained on so far, over all ranks
     generator: list[int] | None = None  # the masking generator's state (None: start it afresh)
     evaluation_skipped: bool = False  # the stop that saved this checkpoint skipped its step's evaluation
+    best: dict | None = None  # the validation record where validation.keep_best was highest (best.pt's)
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -138,7 +141,7 @@ def train(app: App, args) -> dict[str, Any]:
     args = resolve_config(app, args)
     launch = detect_launch()
     device = resolve_device(args.device, launch.local_rank)
-    if args.validation.every > 0:
+    if args.validation.every > 0 and app.validate is None:
         check_validation_split(args.validation, launch.world_size)
     with stop_signals_held_for_the_main_thread(args.distributed.stop_signal):
         init_process_group(launch, device, args.distributed.timeout_minutes)
@@ -259,13 +262,15 @@ class Trainer:
         ):
             if self.launch.rank == 0 and step < args.steps:
                 dump_config(args, self.dump_dir / "config.yaml")  # the start has succeeded: the run's config now
+            app_validate = None if self.app.validate is None else functools.partial(
+                self.app.validate, self.model, self.val_tokens, args, self.device, self.launch)
             evaluator = Evaluator(self.model, self.tokenizer, self.val_tokens, args.validation, args.eval, args.steps,
-                                  self.device, self.launch, metrics, self.guard)
+                                  self.device, self.launch, metrics, self.guard, app_validate)
             activity.now = f"the agreement before step {step + 1}"
             stopping = step < args.steps and agree(stop, loader.prepare(args.grad_acc_steps))
             if state.evaluation_skipped and not stopping:  # the stop that saved this checkpoint skipped it
                 activity.now = f"the evaluation at step {step}"
-                evaluator.run(step)
+                self._evaluate(evaluator, step)
             while step < args.steps and not stopping:
                 activity.now = f"step {step + 1}"
                 lr = lr_at(step, args.optim, args.steps)
@@ -289,7 +294,7 @@ class Trainer:
                 pause = time.perf_counter()
                 if not stopping:  # on a stop signal, save at once: the job may have little time left
                     activity.now = f"the evaluation at step {step}"
-                    evaluator.run(step)
+                    self._evaluate(evaluator, step)
                 if step % args.checkpoint.every == 0 or step == args.steps or stopping:
                     activity.now = f"saving checkpoint {step}"
                     self._save(step, loader, bool(stopping))
@@ -319,11 +324,32 @@ class Trainer:
         logger.info(format_progress(record, self.args.steps))
         self.last = record
 
+    def _evaluate(self, evaluator: Evaluator, step: int) -> None:
+        """The step's evaluation; a new best of validation.keep_best exports its weights (the same record on every
+        rank: validation results are reduced)."""
+        record, key = evaluator.run(step), self.args.validation.keep_best
+        if record is None or not key:
+            return
+        if key not in record:
+            raise UserError(f"validation.keep_best: the validation has no metric {key!r} (it logs "
+                            f"{', '.join(k for k in record if k != 'step')})")
+        if self.state.best is None or record[key] > self.state.best[key]:
+            self.state.best = record
+            export_consolidated(self.model, self.params, self.dump_dir / "best.pt")
+            on_all_ranks(lambda: _write_json(self.dump_dir / "best.json", record))
+
     def _save(self, step: int, loader: ReadAhead, stopping: bool) -> None:
         self.guard.check_before_save(self.model, step)  # a non-finite state never becomes a checkpoint
         self.state.step, self.state.data, self.state.evaluation_skipped = step, loader.state_dict(), stopping
         self.state.generator = self.generator.get_state().tolist()
         self.checkpoints.save(step, self.model, self.optimizer, self.state.state_dict(), self.params)
+
+
+def _write_json(path: Path, value: dict) -> None:
+    try:
+        atomic_write(path, json.dumps(value, indent=1) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror}") from None
 
 
 def check_batch_shape(model, row_shape: tuple[int, ...], device: torch.device) -> None:

@@ -1,8 +1,9 @@
-"""What the training loop measures besides the training loss: the loss on fixed held-out sequences, and the frozen
-GLUE probes, each at its interval."""
+"""What the training loop measures besides the training loss: the loss on fixed held-out sequences (or an app's
+own validation, e.g. a fine-tuned model's dev-set scores), and the frozen GLUE probes, each at its interval."""
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ class ValidationArgs:
     n_sequences: int = 64  # fixed held-out sequences
     batch_size: int = 16  # sequences per forward pass
     seed: int = 1234  # the masking of the validation set is the same at every validation and in every run
+    keep_best: str = ""  # a validation metric, higher is better (e.g. val/score): the weights where it is highest
+    # so far are exported to DUMP_DIR/best.pt, their validation record to best.json
 
     def __post_init__(self):
         at_least(self, 0, "every", "seed")
@@ -59,9 +62,9 @@ def check_validation_split(args: ValidationArgs, world_size: int) -> None:
 
 @dataclass
 class Evaluator:
-    """The validation loss (`validation.every`, and at the last step) and the frozen GLUE probes (`eval.every`) of
-    the model being trained, on finite weights only. Every rank takes part (a sharded model computes with all of
-    them); rank 0 logs."""
+    """The validation (`validation.every`, and at the last step: the loss on the validation rows, or the app's own
+    `validate()`) and the frozen GLUE probes (`eval.every`) of the model being trained, on finite weights only.
+    Every rank takes part (a sharded model computes with all of them); rank 0 logs."""
 
     model: torch.nn.Module
     tokenizer: object
@@ -73,14 +76,18 @@ class Evaluator:
     launch: Launch
     metrics: MetricLogger
     guard: NonFiniteGuard
+    app_validate: Callable[[], dict[str, float]] | None = None  # the app's own validation, reduced over the ranks
 
-    def run(self, step: int) -> None:
+    def run(self, step: int) -> dict | None:
+        """Validates and probes when `step` asks for it; returns the validation record, if there was one."""
         validating = self.val_tokens is not None and (step % self.validation.every == 0 or step == self.last_step)
         probing = self.probes.every > 0 and step % self.probes.every == 0
         if validating or probing:
             self.guard.check()
         if validating:
-            record = {"step": step, **validate(self.model, self.val_tokens, self.validation, self.device, self.launch)}
+            scores = (self.app_validate() if self.app_validate is not None else
+                      validate(self.model, self.val_tokens, self.validation, self.device, self.launch))
+            record = {"step": step, **scores}
             if not math.isfinite(record["val/loss"]):
                 self.guard.stop(f"the validation loss is {record['val/loss']} at step {step}")
             self.metrics.log(record)
@@ -89,3 +96,4 @@ class Evaluator:
             scores = run_glue_probes(self.model, self.tokenizer, self.probes, self.device)
             self.metrics.log({"step": step, **scores})
             logger.info(f"step {step} | " + " | ".join(f"{k} {v:.1f}" for k, v in scores.items()))
+        return record if validating else None

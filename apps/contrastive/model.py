@@ -12,27 +12,23 @@ rank (gathered with their gradients), by cosine similarity over a temperature:
 gradient and its parameters do not require one. `frozen: false` fine-tunes everything.
 
 The backbone comes from `init_from=` (any app's run or checkpoint): `configure` takes its encoder shape and
-tokenizer, and `load_pretrained` its weights, plus, for CrossBERT with `pooler.warm_start`, the predictor's weights
-into the attention pooler (Appendix D); the pooler takes the predictor's depth and heads for that.
+tokenizer, and `lingua.pretrained.load_pretrained` its weights, plus, for CrossBERT with `pooler.warm_start`, the
+predictor's weights into the attention pooler (Appendix D); the pooler takes the predictor's depth and heads for that.
 """
 
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.nn.functional import all_gather
 
 from lingua.app import AppModel
-from lingua.args import UserError, from_dict, require, to_dict
-from lingua.checkpoint import Checkpoint, build_from_params
+from lingua.args import require
 from lingua.flops import encoder_flops_per_token
 from lingua.pooler import AttentionPooler, PoolerArgs, mean_pool_normalised, pooler_transformer
+from lingua.pretrained import adopt_pretrained
 from lingua.transformer import Encoder, TransformerArgs, head_dim_of, trunc_normal_
-
-RUNTIME_KEYS = ("attn_backend", "head_chunk")  # the encoder's settings that are this run's choice, not the model's
 
 
 @dataclass
@@ -109,50 +105,16 @@ class Contrastive(AppModel):
         if self.pooler is not None:
             trunc_normal_(self.pooler.query, self.args.encoder.init_std)
 
+    def pooler_warm_start(self):
+        """A trained attention pooler starts another run's (e.g. fine-tuning)."""
+        return None if self.pooler is None else (self.pooler.args, self.pooler.state_dict())
+
 
 def build_contrastive(args: ContrastiveArgs, tokenizer) -> Contrastive:
     return Contrastive(args, tokenizer.vocab_size, tokenizer.pad_id)
 
 
-# ------------------------------------------------------------------------------------- the pre-trained backbone
-
-
 def configure(args):
-    """With init_from, the config with the model's encoder and the tokenizer of the pre-trained run, and a
-    warm-started attention pooler of its predictor's depth and heads."""
-    if not args.init_from:
-        return args
-    if not Path(args.init_from).exists():
-        raise UserError(f"init_from not found: {args.init_from} (the pre-trained run this run starts from)")
-    checkpoint = Checkpoint.open(args.init_from)
-    source = checkpoint.config
-    encoder = {k: v for k, v in source["model"]["encoder"].items() if k not in RUNTIME_KEYS}
-    model = replace(args.model, encoder=replace(args.model.encoder, **encoder))
-    pretrained = build_from_params(checkpoint.params, "meta")[0]  # shapes only: no weight is read
-    if _warm_starts(model.pooler, pretrained):
-        shape, _ = pretrained.pooler_warm_start()
-        model = replace(model, pooler=replace(model.pooler, n_layers=shape.n_layers, n_heads=shape.n_heads))
-    tokenizer = from_dict(type(args.data.tokenizer), source["data"]["tokenizer"])
-    return replace(args, model=model, data=replace(args.data, tokenizer=tokenizer))
-
-
-def _warm_starts(pooler: PoolerArgs, pretrained) -> bool:
-    """An attention pooler warm-starts from a pre-trained model that offers it (`pooler_warm_start`: CrossBERT's
-    predictor)."""
-    return pooler.kind == "attention" and pooler.warm_start and hasattr(pretrained, "pooler_warm_start")
-
-
-def load_pretrained(checkpoint: Checkpoint, model: Contrastive) -> dict:
-    """The backbone's weights of any app's checkpoint into the encoder, and a CrossBERT predictor's into the attention
-    pooler when it warm-starts. Returns the checkpoint's config."""
-    source, config, _ = checkpoint.load("cpu")
-    path = checkpoint.path
-    state = {f"encoder.{k}": v for k, v in source.backbone.state_dict().items()}
-    if model.pooler is not None and _warm_starts(model.args.pooler, source):
-        state |= {f"pooler.{k}": v for k, v in source.pooler_warm_start()[1].items()}
-    expected = dict(model.state_dict())
-    mismatched = sorted(k for k, v in state.items() if k not in expected or expected[k].shape != v.shape)
-    if mismatched:
-        raise UserError(f"{path}: its weights do not fit this model (first: {mismatched[0]})")
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-    return {"model": {"encoder": to_dict(config.model.encoder)}, "data": {"tokenizer": to_dict(config.data.tokenizer)}}
+    """With init_from, the pre-trained run's encoder and tokenizer, and a warm-started attention pooler of its
+    predictor's depth and heads (lingua/pretrained.py)."""
+    return adopt_pretrained(args, attention_pooler=args.model.pooler.kind == "attention")

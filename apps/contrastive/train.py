@@ -10,8 +10,9 @@ from apps.contrastive.data import (
     repartition_triplets,
     row_shape,
 )
-from apps.contrastive.model import ContrastiveArgs, build_contrastive, configure, load_pretrained
+from apps.contrastive.model import ContrastiveArgs, build_contrastive, configure
 from lingua.app import DataPipeline
+from lingua.pretrained import load_pretrained
 from lingua.train import App, TrainArgs, main
 
 TRIPLETS = DataPipeline(build_triplet_loader, load_triplet_validation, repartition_triplets, row_shape)

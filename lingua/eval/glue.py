@@ -112,9 +112,11 @@ class GlueSplit:
     texts: list[tuple[str, ...]]  # one tuple per example: (sentence,) or (sentence_a, sentence_b)
     labels: Tensor  # class indices (long) or scores (float)
     skipped: int = 0  # malformed lines left out
+    unknown_label: str | None = None  # the first label outside the task's set (its line is among the skipped)
 
     def subset(self, index: Tensor) -> "GlueSplit":
-        return GlueSplit([self.texts[i] for i in index.tolist()], self.labels[index], self.skipped)
+        return GlueSplit([self.texts[i] for i in index.tolist()], self.labels[index], self.skipped,
+                         self.unknown_label)
 
 
 def read_glue_tsv(path: str | Path, task: GlueTask) -> GlueSplit:
@@ -138,15 +140,16 @@ def _read_rows(rows, task: GlueTask, path: str | Path) -> GlueSplit:
         raise UserError(f"{path}: no column {missing[0]!r} in header {header} (is this {task.title}?)")
     text_idx = [header.index(c) for c in task.text_columns]
     label_idx = header.index(task.label_column)
-    texts, labels, skipped = [], [], 0
+    texts, labels, skipped, unknown = [], [], 0, None
     for row in rows:
         label = _parse_label(task, row[label_idx]) if len(row) == len(header) else None
         if label is None:
             skipped += 1
+            unknown = unknown or (row[label_idx] if len(row) == len(header) else None)
             continue
         texts.append(tuple(row[i] for i in text_idx))
         labels.append(label)
-    return GlueSplit(texts, _label_tensor(task, labels), skipped)
+    return GlueSplit(texts, _label_tensor(task, labels), skipped, unknown)
 
 
 def _parse_label(task: GlueTask, value: str) -> float | int | None:
@@ -191,8 +194,9 @@ def load_hf_split(task: GlueTask, split: str) -> GlueSplit:
     return split_from_hf_rows(task, rows)
 
 
-def load_split(task: GlueTask, split: str, data: str) -> GlueSplit:
-    """The "train" or "dev" split of `task` from a GLUE folder or, with data="hf", from the HF hub."""
+def load_split(task: GlueTask, split: str, data: str, strict: bool = False) -> GlueSplit:
+    """The "train" or "dev" split of `task` from a GLUE folder or, with data="hf", from the HF hub. A line whose
+    label is outside the task's set is skipped and counted, or with `strict` a UserError."""
     if data == "hf":
         result = load_hf_split(task, split)
     else:
@@ -200,6 +204,9 @@ def load_split(task: GlueTask, split: str, data: str) -> GlueSplit:
         if not path.is_file():
             raise MissingSplit(f"no {split} split, {path} not found")
         result = read_glue_tsv(path, task)
+    if strict and result.unknown_label is not None:
+        raise UserError(f"{task.title} {split}: label {result.unknown_label!r} is not one of the task's "
+                        f"({', '.join(task.labels) or 'a finite score'})")
     if result.skipped:
         logger.warning(f"{task.title} {split}: skipped {result.skipped} malformed lines")
     if not result.texts:

@@ -1,0 +1,147 @@
+"""The GLUE fine-tuning results of one or more sweeps in the paper's Table 3 layout:
+
+    python -m apps.finetune.table SWEEP_DIR [SWEEP_DIR ...]
+
+Every fine-tuning run below the folders counts (its config.yaml and best.json: the dev score of its best epoch).
+Runs are grouped by the pre-trained model they start from (followed through an MNLI start to the pre-training run);
+per model and task, the learning rate with the best median over seeds is chosen on dev, and the table shows that
+median; the average is over the tasks present. The paper's row is printed beside a model of the paper's shape (its
+app's single_scale.yaml encoder). Writes table.md and table.json into the first folder.
+"""
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from apps.eval.glue import run_dump_dir
+from lingua.app import load_app, short_name
+from lingua.args import UserError, command_line
+from lingua.checkpoint import Checkpoint
+from lingua.eval.glue import TASKS
+from lingua.files import atomic_write
+
+FINETUNE = "apps.finetune.train"
+# The paper's Table 3, GLUE full fine-tuning (dev), in TASKS order
+PAPER_FINETUNE = {
+    "bert": (86.5, 90.0, 88.5, 85.3, 95.1, 91.9, 63.0, 91.2),
+    "crossbert": (86.4, 90.3, 88.4, 85.1, 94.8, 91.4, 65.5, 91.5),
+    "electra": (88.7, 93.3, 89.1, 83.4, 94.6, 92.0, 71.0, 90.0),
+}
+PAPER_AVERAGE = {"bert": 86.4, "crossbert": 86.6, "electra": 87.8}
+
+
+@dataclass(frozen=True)
+class Result:
+    model: str  # the pre-training run's checkpoint path
+    task: str
+    lr: float
+    seed: int
+    score: float  # the task's headline metric, best epoch on dev
+    epoch: int
+    run: Path
+
+
+def read_results(folders: list[Path]) -> tuple[list[Result], list[Path]]:
+    """(the finished runs' results, the runs without one yet)."""
+    results, unfinished = [], []
+    for config_file in sorted(p for folder in folders for p in folder.rglob("config.yaml")):
+        run = config_file.parent
+        config = yaml.safe_load(config_file.read_text()) or {}
+        if "epochs" not in config or "task" not in config.get("data", {}):
+            continue  # not a fine-tuning run
+        if not (run / "best.json").exists():
+            unfinished.append(run)
+            continue
+        best = json.loads((run / "best.json").read_text())
+        results.append(Result(pretrained_origin(config["init_from"]), config["data"]["task"], float(config["optim"]["lr"]),
+                              config["seed"], best["val/score"], best["step"] // config["validation"]["every"], run))
+    return results, unfinished
+
+
+def pretrained_origin(init_from: str) -> str:
+    """The pre-training run a fine-tuning run starts from, through any fine-tuning runs between (an MNLI start)."""
+    if not init_from:
+        return "(random initialisation)"
+    checkpoint = Checkpoint.open(init_from)
+    if checkpoint.app_name == FINETUNE:
+        return pretrained_origin(checkpoint.config["init_from"])
+    return str(checkpoint.path)
+
+
+def choose(results: list[Result]) -> dict[str, dict[str, dict]]:
+    """{model: {task: {"score": median at the best lr, "lr", "seeds", "per_lr": {lr: median}, "best_run": the run
+    with the highest score at that lr}}}."""
+    grouped: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for r in results:
+        grouped[r.model][r.task][r.lr].append(r)
+    table: dict = {}
+    for model, tasks in grouped.items():
+        table[model] = {}
+        for task, per_lr in tasks.items():
+            medians = {lr: statistics.median(r.score for r in runs) for lr, runs in per_lr.items()}
+            lr = max(medians, key=medians.get)
+            table[model][task] = {"score": medians[lr], "lr": lr, "seeds": len(per_lr[lr]), "per_lr": medians,
+                                  "best_run": str(max(per_lr[lr], key=lambda r: r.score).run)}
+    return table
+
+
+def paper_app(model: str) -> str | None:
+    """The paper row of a pre-training checkpoint of the paper's single-scale shape, if it is one."""
+    if not Path(model).exists():
+        return None
+    checkpoint = Checkpoint.open(model)
+    name = short_name(checkpoint.app_name)
+    single_scale = load_app(name).config("single_scale") if name in PAPER_FINETUNE else None
+    if single_scale is None:
+        return None
+    paper = yaml.safe_load(single_scale.read_text())["model"]["encoder"]
+    ours = checkpoint.config["model"]["encoder"]
+    return name if all(ours.get(key) == paper[key] for key in ("dim", "n_layers", "n_heads")) else None
+
+
+def format_table(table: dict) -> str:
+    header = f"{'model':<28}" + "".join(f"{t.title:>6}" for t in TASKS.values()) + f"{'Avg.':>6}"
+    lines = ["GLUE fine-tuning, dev: per task the median over seeds at the learning rate chosen on dev", header]
+    for model, tasks in table.items():
+        scores = [tasks[name]["score"] for name in TASKS if name in tasks]
+        label = run_dump_dir(Path(model)).name
+        cells = "".join(f"{tasks[name]['score']:>6.1f}" if name in tasks else f"{'-':>6}" for name in TASKS)
+        lines.append(f"{label[:27]:<28}{cells}{sum(scores) / len(scores):>6.1f}")
+        lines.append(f"{'  learning rate':<28}" + "".join(
+            f"{tasks[name]['lr']:>6.0e}" if name in tasks else f"{'':>6}" for name in TASKS))
+        paper = paper_app(model)
+        if paper is not None:
+            lines.append(f"{'  paper: ' + paper:<28}" + "".join(f"{v:>6.1f}" for v in PAPER_FINETUNE[paper])
+                         + f"{PAPER_AVERAGE[paper]:>6.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    with command_line(__doc__):
+        if not argv or argv[0] in ("--help", "-h"):
+            print(__doc__)
+            return
+        folders = [Path(a) for a in argv]
+        missing = [f for f in folders if not f.is_dir()]
+        if missing:
+            raise UserError(f"not a folder: {missing[0]}")
+        results, unfinished = read_results(folders)
+        if not results:
+            raise UserError(f"no finished fine-tuning run (with a best.json) under {', '.join(map(str, folders))}")
+        table = choose(results)
+        text = format_table(table)
+        if unfinished:
+            text += f"\nnot finished yet ({len(unfinished)}): " + ", ".join(run.name for run in unfinished)
+        atomic_write(folders[0] / "table.md", text + "\n")
+        atomic_write(folders[0] / "table.json", json.dumps(table, indent=1) + "\n")
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

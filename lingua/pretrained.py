@@ -1,0 +1,55 @@
+"""Starting an app from another run's backbone (contrastive probing, fine-tuning): the pre-trained run's encoder
+shape and tokenizer, its weights, and a warm start of the attention pooler from a model that offers one
+(`pooler_warm_start`: CrossBERT's predictor, the paper's section 3 and Appendix D; a contrastive or fine-tuning run's
+own pooler). The app's model holds the backbone as `encoder` and the pooler as `pooler` (an `AttentionPooler` or
+None), its args `encoder` (TransformerArgs) and `pooler` (PoolerArgs)."""
+
+from dataclasses import replace
+from pathlib import Path
+
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from lingua.args import UserError, from_dict, to_dict
+from lingua.checkpoint import Checkpoint, build_from_params
+from lingua.pooler import PoolerArgs
+
+RUNTIME_KEYS = ("attn_backend", "head_chunk")  # the encoder's settings that are this run's choice, not the model's
+
+
+def adopt_pretrained(args, attention_pooler: bool):
+    """With init_from, the config with the pre-trained run's encoder shape and tokenizer and, when the model has an
+    attention pooler (`attention_pooler`) that warm-starts, the depth and heads of what starts it."""
+    if not args.init_from:
+        return args
+    if not Path(args.init_from).exists():
+        raise UserError(f"init_from not found: {args.init_from} (the pre-trained run this run starts from)")
+    checkpoint = Checkpoint.open(args.init_from)
+    source = checkpoint.config
+    encoder = {k: v for k, v in source["model"]["encoder"].items() if k not in RUNTIME_KEYS}
+    model = replace(args.model, encoder=replace(args.model.encoder, **encoder))
+    pretrained = build_from_params(checkpoint.params, "meta")[0]  # shapes only: no weight is read
+    if attention_pooler and _warm_starts(model.pooler, pretrained):
+        shape, _ = pretrained.pooler_warm_start()
+        model = replace(model, pooler=replace(model.pooler, n_layers=shape.n_layers, n_heads=shape.n_heads))
+    tokenizer = from_dict(type(args.data.tokenizer), source["data"]["tokenizer"])
+    return replace(args, model=model, data=replace(args.data, tokenizer=tokenizer))
+
+
+def _warm_starts(pooler: PoolerArgs, pretrained) -> bool:
+    return pooler.warm_start and pretrained.pooler_warm_start() is not None
+
+
+def load_pretrained(checkpoint: Checkpoint, model) -> dict:
+    """The backbone's weights of any app's checkpoint into `model.encoder`, and the warm start into `model.pooler`
+    when it has one and the checkpoint offers it; the rest of the model keeps its initialisation. Returns the part
+    of the checkpoint's config that the run must match (its encoder and tokenizer)."""
+    source, config, _ = checkpoint.load("cpu")
+    state = {f"encoder.{k}": v for k, v in source.backbone.state_dict().items()}
+    if model.pooler is not None and _warm_starts(model.args.pooler, source):
+        state |= {f"pooler.{k}": v for k, v in source.pooler_warm_start()[1].items()}
+    expected = dict(model.state_dict())
+    mismatched = sorted(k for k, v in state.items() if k not in expected or expected[k].shape != v.shape)
+    if mismatched:
+        raise UserError(f"{checkpoint.path}: its weights do not fit this model (first: {mismatched[0]})")
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    return {"model": {"encoder": to_dict(config.model.encoder)}, "data": {"tokenizer": to_dict(config.data.tokenizer)}}
