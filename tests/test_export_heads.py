@@ -15,6 +15,7 @@ from apps.bert.train import APP as BERT
 from apps.contrastive.train import APP as CONTRASTIVE
 from apps.crossbert.train import APP as CROSSBERT
 from apps.electra.train import APP as ELECTRA
+from apps.finetune.train import APP as FINETUNE
 from lingua.args import UserError, load_config, to_dict
 from lingua.checkpoint import build_from_params, export_consolidated
 from lingua.eval.features import encode_example, mean_pool, pad_batch
@@ -116,15 +117,10 @@ def test_sequence_classification_reads_our_pooled_vector(exports, kind, pooling)
     close(output.loss, F.mse_loss(output.logits.squeeze(-1), torch.ones(4)))
 
 
-def finetune_app():
-    return pytest.importorskip("apps.finetune.train", reason="apps/finetune (the GLUE fine-tuning app) is not in this "
-                               "checkout").APP
-
-
 @pytest.mark.parametrize("pooling, task, num_labels", [("mean", "sst2", 2), ("first", "stsb", 1),
                                                        ("attention", "mnli", 3)])
 def test_a_fine_tuned_head_gives_our_logits(tmp_path, pooling, task, num_labels):
-    model, tokenizer, checkpoint = tiny_checkpoint(finetune_app(), tmp_path / "run", [
+    model, tokenizer, checkpoint = tiny_checkpoint(FINETUNE, tmp_path / "run", [
         f"model.pooling={pooling}", f"model.num_labels={num_labels}", f"data.task={task}"])
     folder = export_to(tmp_path / "hf", checkpoint)
     classifier, loading = load("AutoModelForSequenceClassification", folder)
@@ -139,7 +135,7 @@ def test_a_fine_tuned_head_gives_our_logits(tmp_path, pooling, task, num_labels)
 
 
 def test_a_fine_tuned_attention_head_keeps_its_pooler(tmp_path):
-    _, _, checkpoint = tiny_checkpoint(finetune_app(), tmp_path / "run", ["model.pooling=attention"])
+    _, _, checkpoint = tiny_checkpoint(FINETUNE, tmp_path / "run", ["model.pooling=attention"])
     with pytest.raises(UserError, match="the attention pooler that this run's classifier reads"):
         export_to(tmp_path / "hf", checkpoint, pooling="mean")
 
