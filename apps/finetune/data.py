@@ -120,8 +120,9 @@ def steps_per_epoch(args: GlueDataArgs, world_size: int, grad_acc_steps: int) ->
     """Optimizer steps in one pass over the train split (its last, incomplete global batch dropped)."""
     examples, batch = len(read_split(args, "train").texts), args.batch_size * world_size * grad_acc_steps
     if examples < batch:
-        raise UserError(f"{args.glue_task.title}: {examples} training examples, fewer than one step's batch of {batch} "
-                        f"(data.batch_size {args.batch_size} x {world_size} processes x {grad_acc_steps} micro-batches)")
+        raise UserError(f"{args.glue_task.title}: {examples} training examples, fewer than one step's batch of "
+                        f"{batch} (data.batch_size {args.batch_size} x {world_size} processes x {grad_acc_steps} "
+                        "micro-batches)")
     return examples // batch
 
 

@@ -50,10 +50,10 @@ def sweep_spec(args: SweepArgs) -> dict:
     if not args.lrs or not args.seeds:
         raise UserError("lrs and seeds need at least one value each")
     mnli = best_mnli_run(Path(args.mnli_from)) if args.mnli_from else None
-    runs = [{"data.task": task, **({"init_from": str(mnli)} if mnli and task in STARTED_FROM_MNLI else {})}
-            for task in args.tasks]
-    overrides = {"init_from": args.init_from, "data.path": args.data, **({"epochs": args.epochs} if args.epochs else {}),
-                 **dict(map(parse_assignment, args.run_overrides))}
+    from_mnli = {"init_from": str(mnli)} if mnli else {}
+    runs = [{"data.task": task, **(from_mnli if task in STARTED_FROM_MNLI else {})} for task in args.tasks]
+    overrides = {"init_from": args.init_from, "data.path": args.data,
+                 **({"epochs": args.epochs} if args.epochs else {}), **dict(map(parse_assignment, args.run_overrides))}
     return {"script": FINETUNE, "config": args.run_config, "dump_dir": args.dump_dir, "overrides": overrides,
             "runs": runs, "grid": {"optim.lr": args.lrs, "seed": args.seeds},
             "launcher": {"gpus_per_node": 1, "time": 240}}  # one GPU per run

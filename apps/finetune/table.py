@@ -58,8 +58,9 @@ def read_results(folders: list[Path]) -> tuple[list[Result], list[Path]]:
             unfinished.append(run)
             continue
         best = json.loads((run / "best.json").read_text())
-        results.append(Result(pretrained_origin(config["init_from"]), config["data"]["task"], float(config["optim"]["lr"]),
-                              config["seed"], best["val/score"], best["step"] // config["validation"]["every"], run))
+        epoch = best["step"] // config["validation"]["every"]
+        results.append(Result(pretrained_origin(config["init_from"]), config["data"]["task"],
+                              float(config["optim"]["lr"]), config["seed"], best["val/score"], epoch, run))
     return results, unfinished
 
 
