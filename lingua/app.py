@@ -31,6 +31,7 @@ from torch import nn
 from lingua.args import UserError, load_config
 from lingua.data import build_train_loader, load_validation, repartition
 from lingua.distributed import DistributedArgs, Launch
+from lingua.masking import MaskedLMHead
 from lingua.parallel import parallelize
 from lingua.scaling import ScalingLaws
 from lingua.transformer import Encoder, PreNormBlock, TransformerArgs, init_weights
@@ -95,6 +96,11 @@ class AppModel(nn.Module, abc.ABC):
     def pooler_warm_start(self) -> tuple[TransformerArgs, dict[str, torch.Tensor]] | None:
         """What starts another run's attention pooler (lingua/pretrained.py): its block shapes and its weights under
         the pooler's names (lingua/pooler.py); None: nothing (a cold start)."""
+        return None
+
+    def masked_lm_head(self) -> MaskedLMHead | None:
+        """How the model predicts a `<mask>`ed token outside training (the export's AutoModelForMaskedLM); None: it
+        has no masked-LM head (e.g. a contrastive or fine-tuning model)."""
         return None
 
 

@@ -77,7 +77,7 @@ def export(args: ExportArgs) -> Path:
     head = getattr(model, "head", None)
     if head is not None and model.args.pooling == "attention" and pooler is None:
         raise UserError("pooling=mean would leave out the attention pooler that this run's classifier reads")
-    masked_lm = model.masked_lm_head() if hasattr(model, "masked_lm_head") else None
+    masked_lm = model.masked_lm_head()
     config = hf_config(embedder, pooler, masked_lm, params["config"])
     files = {
         "config.json": json_text(config),
