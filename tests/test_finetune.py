@@ -18,7 +18,7 @@ from lingua.args import load_config
 from lingua.checkpoint import Checkpoint, load_model
 from lingua.eval.glue import TASKS
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
-from lingua.train import train
+from lingua.train import main, train
 from tests.conftest import REPO, kill_after_first_checkpoint_then_restart, read_metrics, run_to_the_end, tiny_argv
 
 FIXTURES = Path(__file__).parent / "fixtures" / "glue"
@@ -191,16 +191,15 @@ def test_two_ranks_match_one_rank_with_the_whole_batch(pretrained, tmp_path):
 # ---------------------------------------------------------------------------------------------------- bad input
 
 
-def _error(argv: list[str]) -> str:
-    done = subprocess.run([sys.executable, "-m", "apps.finetune.train", *argv], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 2, done.stderr[-2000:]
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
+def _error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_status:
+        main(finetune.APP, argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_status.value.code == 2 and len(lines) == 1, lines
     return lines[0]
 
 
-def test_bad_inputs_are_one_line(pretrained, tmp_path):
+def test_bad_inputs_are_one_line(pretrained, tmp_path, capsys):
     glue = tmp_path / "glue"
     shutil.copytree(FIXTURES, glue)
     (glue / "QNLI" / "train.tsv").unlink()
@@ -218,7 +217,7 @@ def test_bad_inputs_are_one_line(pretrained, tmp_path):
     }
     for override, message in cases.items():
         argv = finetune_argv(tmp_path / "run", pretrained, "sst2", data=glue) + [override]
-        assert message in _error(argv), override
+        assert message in _error(argv, capsys), override
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
@@ -276,10 +275,24 @@ def test_the_sweep_file_and_the_mnli_start(pretrained, tmp_path):
 
 
 def test_the_sweep_runs_through_stool_and_the_table_collects_it(pretrained, tmp_path, capsys):
-    sweep.main([f"init_from={pretrained}", f"dump_dir={tmp_path / 'sw'}", f"data={FIXTURES}", "tasks=rte,stsb",
+    sweep.main([f"init_from={pretrained}", f"dump_dir={tmp_path / 'sw'}", f"data={FIXTURES}", "tasks=stsb",
                 "lrs=1e-3", "seeds=0,1", "epochs=1", "run_config=apps/finetune/configs/debug.yaml",
                 "run_overrides=data.seq_len=32,data.batch_size=4", "cluster=local"])
     table.main([str(tmp_path / "sw")])
     out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.startswith("crossbert"))
-    assert row.split()[1:] == ["-", "-", "-", row.split()[4], "-", "-", "-", row.split()[8], row.split()[9]]
+    row = next(line for line in out.splitlines() if line.startswith("crossbert")).split()
+    assert row[1:8] == ["-"] * 7 and row[8] == row[9]  # STS-B alone, and the average over it
+    assert len(table.read_results([tmp_path / "sw"])[0]) == 2  # two seeds
+
+
+def test_the_paper_row_belongs_to_a_model_of_the_papers_shape(tmp_path, monkeypatch):
+    class Opened:
+        def __init__(self, app: str, dim: int):
+            self.app_name, self.config = app, {"model": {"encoder": {"dim": dim, "n_layers": 28, "n_heads": 12}}}
+
+    shapes = {"paper": ("apps.crossbert.train", 768), "small": ("apps.crossbert.train", 128),
+              "contrastive": ("apps.contrastive.train", 768)}
+    monkeypatch.setattr(table.Checkpoint, "open", lambda path: Opened(*shapes[Path(path).name]))
+    for name in shapes:
+        (tmp_path / name).mkdir()
+    assert [table.paper_app(str(tmp_path / name)) for name in shapes] == ["crossbert", None, None]
