@@ -33,8 +33,9 @@ from lingua.data import build_train_loader, load_validation, repartition
 from lingua.distributed import DistributedArgs, Launch
 from lingua.masking import MaskedLMHead
 from lingua.parallel import parallelize
+from lingua.pooler import AttentionPooler
 from lingua.scaling import ScalingLaws
-from lingua.transformer import Encoder, PreNormBlock, TransformerArgs, init_weights
+from lingua.transformer import Encoder, PreNormBlock, TransformerArgs, init_weights, trunc_normal_
 
 
 class AppModel(nn.Module, abc.ABC):
@@ -92,11 +93,16 @@ class AppModel(nn.Module, abc.ABC):
     def init_weights(self) -> None:
         """Fills every parameter and buffer after materialisation from the meta device (under torch.no_grad)."""
         init_weights(self, self.backbone.args.init_std)
+        for module in self.modules():
+            if isinstance(module, AttentionPooler):
+                trunc_normal_(module.query, self.backbone.args.init_std)
 
     def pooler_warm_start(self) -> tuple[TransformerArgs, dict[str, torch.Tensor]] | None:
         """What starts another run's attention pooler (lingua/pretrained.py): its block shapes and its weights under
-        the pooler's names (lingua/pooler.py); None: nothing (a cold start)."""
-        return None
+        the pooler's names (lingua/pooler.py); by default the model's own attention pooler (`pooler`: a contrastive
+        or fine-tuning run's), None without one (a cold start)."""
+        pooler = getattr(self, "pooler", None)
+        return (pooler.args, pooler.state_dict()) if isinstance(pooler, AttentionPooler) else None
 
     def masked_lm_head(self) -> MaskedLMHead | None:
         """How the model predicts a `<mask>`ed token outside training (the export's AutoModelForMaskedLM); None: it

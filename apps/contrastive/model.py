@@ -28,7 +28,7 @@ from lingua.args import require
 from lingua.flops import encoder_flops_per_token
 from lingua.pooler import AttentionPooler, PoolerArgs, mean_pool_normalised, pooler_transformer
 from lingua.pretrained import adopt_pretrained
-from lingua.transformer import Encoder, TransformerArgs, head_dim_of, trunc_normal_
+from lingua.transformer import Encoder, TransformerArgs, head_dim_of
 
 
 @dataclass
@@ -99,15 +99,6 @@ class Contrastive(AppModel):
 
     def head_flops_per_token_view(self, seq_len: int) -> float:
         return 0.0  # no output head
-
-    def init_weights(self) -> None:
-        super().init_weights()
-        if self.pooler is not None:
-            trunc_normal_(self.pooler.query, self.args.encoder.init_std)
-
-    def pooler_warm_start(self):
-        """A trained attention pooler starts another run's (e.g. fine-tuning)."""
-        return None if self.pooler is None else (self.pooler.args, self.pooler.state_dict())
 
 
 def build_contrastive(args: ContrastiveArgs, tokenizer) -> Contrastive:

@@ -21,7 +21,7 @@ from lingua.args import at_least, require
 from lingua.eval.features import mean_pool
 from lingua.flops import encoder_flops_per_token
 from lingua.pooler import AttentionPooler, PoolerArgs, pooler_transformer
-from lingua.transformer import Encoder, TransformerArgs, trunc_normal_
+from lingua.transformer import Encoder, TransformerArgs
 
 POOLINGS = ("mean", "first", "attention")
 
@@ -86,12 +86,6 @@ class Finetune(AppModel):
     def init_weights(self) -> None:
         super().init_weights()
         nn.init.zeros_(self.head.bias)
-        if self.pooler is not None:
-            trunc_normal_(self.pooler.query, self.args.encoder.init_std)
-
-    def pooler_warm_start(self):
-        """A fine-tuned attention pooler starts another task's (e.g. RTE from MNLI)."""
-        return None if self.pooler is None else (self.pooler.args, self.pooler.state_dict())
 
 
 def build_finetune(args: FinetuneArgs, tokenizer) -> Finetune:
