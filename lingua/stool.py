@@ -247,6 +247,7 @@ def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
         for run, job in zip(runs, jobs):
             _record(run, job)
         return
+    failed = []
     for start in range(0, len(runs), args.parallel):
         jobs: list = []
         with _cancelled_when_interrupted(jobs):
@@ -256,7 +257,12 @@ def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
                 _record(run, job)
             for run, job in wave:
                 job.wait()
-                print(f"{run.name}: {describe(run.dump_dir)['state']}")
+                info = describe(run.dump_dir)
+                print(f"{run.name}: {info['state']}" + (f" ({info['reason']})" if info["reason"] else ""))
+                failed += [run.name] if info["state"] == "failed" else []
+    if failed:  # the others ran: a script that runs stool stops here rather than go on without these results
+        raise UserError(f"{len(failed)} of {len(runs)} local run(s) failed ({', '.join(failed)}): "
+                        f"python -m lingua.stool status {folder} tells why")
 
 
 class _Terminated(Exception):

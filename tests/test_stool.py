@@ -115,6 +115,15 @@ def test_local_sweep_runs_end_to_end_and_status_reads_it(tmp_path, corpus, capsy
     assert [line.split()[:3] for line in lines[1:]] == [["lr0.001", "finished", "4"], ["lr0.003", "finished", "4"]]
 
 
+def test_a_local_sweep_with_a_failed_run_runs_the_others_and_says_so(tmp_path, corpus, capsys):
+    path = write_sweep(tmp_path, corpus, grid={"data.root_dir": [str(corpus), str(tmp_path / "nowhere")]})
+    with pytest.raises(SystemExit) as exit_status:
+        stool.main(["sweep", f"sweep={path}"])
+    out, err = capsys.readouterr()
+    assert exit_status.value.code == 2 and "1 of 2 local run(s) failed" in err
+    assert "finished" in out and "failed (" in out  # the failed run's reason is printed where it ends
+
+
 def test_a_stopped_local_sweep_leaves_no_job_running(tmp_path, corpus):
     """submitit's local jobs outlive the stool that started them: a SIGTERM to stool cancels them."""
     overrides = dict(arg.split("=", 1) for arg in tiny_argv(corpus, tmp_path / "unused", 100_000)[1:])
