@@ -10,7 +10,8 @@ The tools find an app by name: `bert` is `apps/bert`, any other importable packa
 works the same (`apps.benchmark apps=toy`); every package of `apps/` with a train.py is registered
 (`registered_apps`), and the tests iterate over them. An app that trains on something other than packed text rows
 (contrastive triplets) gives its own `DataPipeline`; one that starts from another app's weights gives `load_init`
-(and `configure`, to take that run's shapes). The loop builds the model on the meta device, parallelises it,
+(and `configure`, to take that run's shapes); one scored otherwise than by a loss on held-out rows gives `validate`
+(fine-tuning: dev-set metrics). The loop builds the model on the meta device, parallelises it,
 materialises it and calls `init_weights`; it owns the data, the optimizer, the schedule, checkpoints, logging and
 the random generator; the model owns its masking, its loss, its FLOPs and its shape. No app imports another: what
 several apps share lives in `lingua/` (e.g. `lingua/masking.py`).
