@@ -14,7 +14,7 @@ from apps.crossbert.train import APP as CROSSBERT
 from apps.finetune import sweep, table
 from apps.finetune import train as finetune
 from apps.finetune.data import GlueDataArgs, GlueLoader, decode_labels, label_codes
-from lingua.args import load_config
+from lingua.args import UserError, load_config
 from lingua.checkpoint import Checkpoint, load_model
 from lingua.eval.glue import TASKS
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
@@ -116,7 +116,7 @@ def test_poolings_and_the_predictors_warm_start(pretrained, tmp_path, pooling):
     source, _, _ = load_model(pretrained)
     assert all(torch.allclose(v, source.encoder.state_dict()[k], atol=1e-6)
                for k, v in model.encoder.state_dict().items())
-    tokens = torch.tensor([[1, 5, 6, 7, 2, 0]]).clamp(max=200)
+    tokens = torch.tensor([[1, 5, 6, 7, 2, 0]])
     pad_mask = torch.ones_like(tokens, dtype=torch.bool)
     hidden = model.encoder.encode(tokens, pad_mask)
     expected = {"mean": hidden.mean(1), "first": hidden[:, 0]}.get(pooling)
@@ -128,6 +128,31 @@ def test_poolings_and_the_predictors_warm_start(pretrained, tmp_path, pooling):
         assert model.pooler is None
     torch.testing.assert_close(model.pooled(hidden, pad_mask), expected.float())
     torch.testing.assert_close(model.logits(tokens), model.head(expected.float()))
+
+
+@pytest.mark.parametrize("source", ["bert", "electra", "contrastive"])
+def test_every_kind_of_run_starts_a_fine_tuning(pretrained, tmp_path, source):
+    """The backbone of BERT, ELECTRA (its discriminator) and a contrastive run (with its trained pooler)."""
+    from apps.bert.train import APP as BERT
+    from apps.contrastive import train as contrastive
+    from apps.electra.train import APP as ELECTRA
+    from tests.conftest import write_corpus
+    from tests.test_contrastive import contrastive_argv, write_triplets
+
+    dump = tmp_path / source
+    if source == "contrastive":
+        argv = contrastive_argv(write_triplets(tmp_path / "t.jsonl", 16), dump, pretrained, 2, "model.frozen=false")
+        train(contrastive.APP, load_config(contrastive.APP.args_cls, argv))
+    else:
+        app = {"bert": BERT, "electra": ELECTRA}[source]
+        train(app, load_config(app.args_cls, tiny_argv(write_corpus(tmp_path / "data", 50), dump, 2)
+                               + ["validation.every=0"]))
+    run_finetune(finetune_argv(tmp_path / "ft", dump, "rte", "epochs=1", "optim.lr=1e-9", "model.pooling=attention"))
+    source_model, tuned = load_model(dump)[0], load_model(tmp_path / "ft")[0]
+    backbone = source_model.backbone.state_dict()
+    assert all(torch.allclose(v, backbone[k], atol=1e-6) for k, v in tuned.encoder.state_dict().items())
+    if source == "contrastive":  # its trained pooler starts this one's
+        assert torch.allclose(tuned.pooler.query, source_model.pooler.query, atol=1e-6)
 
 
 def test_a_cold_attention_pooler_when_the_source_offers_no_warm_start(pretrained, tmp_path):
@@ -146,7 +171,7 @@ def test_rte_starts_from_the_best_mnli_run(pretrained, tmp_path):
     for part in ("encoder", "pooler"):
         saved = getattr(mnli, part).state_dict()
         assert all(torch.allclose(v, saved[k], atol=1e-6) for k, v in getattr(rte, part).state_dict().items()), part
-    assert table.pretrained_origin(str(tmp_path / "rte" / "best.pt")) == str(Checkpoint.open(pretrained).path)
+    assert config.origin == str(Checkpoint.open(pretrained).path)  # through the MNLI run, to the pre-training
 
 
 def test_the_best_epoch_is_kept(pretrained, tmp_path):
@@ -205,6 +230,10 @@ def test_bad_inputs_are_one_line(pretrained, tmp_path, capsys):
     (glue / "QNLI" / "train.tsv").unlink()
     rte = (glue / "RTE" / "train.tsv").read_text().splitlines()
     (glue / "RTE" / "train.tsv").write_text("\n".join(rte[:3] + [rte[3].rsplit("\t", 1)[0] + "\tmaybe"] + rte[4:]))
+    (glue / "MRPC" / "dev.tsv").unlink()
+    cola = (glue / "CoLA" / "dev.tsv").read_text().splitlines()
+    (glue / "CoLA" / "dev.tsv").write_text("\n".join(cola[:-1] + [cola[-1].replace("\t1\t", "\t7\t", 1)
+                                                                  .replace("\t0\t", "\t7\t", 1)]))
     (tmp_path / "not_a_checkpoint.pt").write_bytes(b"hello")
     cases = {
         "data.task=glue": "unknown GLUE task 'glue'",
@@ -214,6 +243,9 @@ def test_bad_inputs_are_one_line(pretrained, tmp_path, capsys):
         f"init_from={tmp_path}": "no complete checkpoint, consolidated.pt or params.json",
         "model.pooling=cls": "pooling",
         "data.batch_size=20": "SST2: 16 training examples, fewer than one step's batch of 20",
+        "data.task=mrpc": "MRPC: no dev split",
+        "data.task=cola": "CoLA dev: label '7' is not one of the task's (0, 1)",
+        "grad_acc_steps=2": "grad_acc_steps",
     }
     for override, message in cases.items():
         argv = finetune_argv(tmp_path / "run", pretrained, "sst2", data=glue) + [override]
@@ -221,10 +253,19 @@ def test_bad_inputs_are_one_line(pretrained, tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
-def test_help_lists_the_keys():
-    done = subprocess.run([sys.executable, "-m", "apps.finetune.train", "--help"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0 and "epochs: int = 3" in done.stdout and "pooling: str = 'mean'" in done.stdout
+@pytest.mark.parametrize("module, key", [("apps.finetune.train", "epochs: int = 3"),
+                                         ("apps.finetune.sweep", "mnli_from: str"), ("apps.finetune.table", "median")])
+def test_help(module, key):
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and key in done.stdout
+
+
+def test_a_resume_on_another_number_of_processes_is_refused(pretrained, tmp_path):
+    argv = finetune_argv(tmp_path / "run", pretrained, "rte", "epochs=1")
+    run_finetune(argv)
+    with pytest.raises(UserError, match="started with 4 steps an epoch, here 2: resume it on as many processes"):
+        finetune.APP.configure(load_config(finetune.APP.args_cls, argv + ["data.batch_size=8"]))  # as 2 of 4
 
 
 # ------------------------------------------------------------------------------------------- sweep and table
@@ -232,10 +273,11 @@ def test_help_lists_the_keys():
 
 def _made_up_run(folder: Path, model: Path, task: str, lr: float, seed: int, score: float) -> None:
     folder.mkdir(parents=True)
-    config = {"init_from": str(model), "seed": seed, "epochs": 3, "data": {"task": task},
+    config = {"init_from": str(model), "origin": str(model), "seed": seed, "epochs": 3, "data": {"task": task},
               "optim": {"lr": lr}, "validation": {"every": 10}}
     (folder / "config.yaml").write_text(json.dumps(config))
     (folder / "best.json").write_text(json.dumps({"step": 20, "val/score": score}))
+    (folder / "consolidated.pt").write_bytes(b"")  # finished
 
 
 def test_the_table_takes_the_median_over_seeds_at_the_best_learning_rate(pretrained, tmp_path):
@@ -243,8 +285,8 @@ def test_the_table_takes_the_median_over_seeds_at_the_best_learning_rate(pretrai
     for (task, lr), values in scores.items():
         for seed, score in enumerate(values):
             _made_up_run(tmp_path / f"{task}_{lr}_{seed}", pretrained, task, lr, seed, score)
-    (tmp_path / "unfinished").mkdir()
-    (tmp_path / "unfinished" / "config.yaml").write_text(json.dumps({"epochs": 3, "data": {"task": "sst2"}}))
+    _made_up_run(tmp_path / "unfinished", pretrained, "sst2", 1e-4, 0, 90.0)
+    (tmp_path / "unfinished" / "consolidated.pt").unlink()  # best.json is written at every new best
     results, unfinished = table.read_results([tmp_path])
     assert len(results) == 7 and unfinished == [tmp_path / "unfinished"]
     (chosen,) = table.choose(results).values()
@@ -269,9 +311,14 @@ def test_the_sweep_file_and_the_mnli_start(pretrained, tmp_path):
         _made_up_run(mnli / f"mnli_{seed}", pretrained, "mnli", 2e-5, seed, score)
     args = sweep.SweepArgs(init_from=str(pretrained), dump_dir=str(tmp_path / "sw"), data=str(FIXTURES),
                            tasks=["rte", "sst2"], lrs=[1e-5, 2e-5], seeds=[0, 1], mnli_from=str(mnli))
-    spec = sweep.sweep_spec(args)
-    assert spec["runs"] == [{"data.task": "rte", "init_from": str(mnli / "mnli_1" / "best.pt")}, {"data.task": "sst2"}]
-    assert spec["grid"] == {"optim.lr": [1e-5, 2e-5], "seed": [0, 1]}
+    runs = sweep.sweep_spec(args)["runs"]
+    assert [r["name"] for r in runs] == [f"{task}_lr{lr}_seed{seed}" for task in ("rte", "sst2")
+                                         for lr in ("1e-05", "2e-05") for seed in (0, 1)]
+    assert {r.get("init_from") for r in runs[:4]} == {str(mnli / "mnli_1" / "best.pt")}
+    assert all("init_from" not in r for r in runs[4:])
+    (mnli / "mnli_0" / "consolidated.pt").unlink()  # still training: its best.pt may still change
+    with pytest.raises(UserError, match="MNLI runs that have not finished"):
+        sweep.sweep_spec(args)
 
 
 def test_the_sweep_runs_through_stool_and_the_table_collects_it(pretrained, tmp_path, capsys):
@@ -281,7 +328,7 @@ def test_the_sweep_runs_through_stool_and_the_table_collects_it(pretrained, tmp_
     table.main([str(tmp_path / "sw")])
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("crossbert")).split()
-    assert row[1:8] == ["-"] * 7 and row[8] == row[9]  # STS-B alone, and the average over it
+    assert row[1:8] == ["-"] * 7 and row[9] == row[8] + "*"  # STS-B alone, and the average over it
     assert len(table.read_results([tmp_path / "sw"])[0]) == 2  # two seeds
 
 

@@ -6,8 +6,8 @@ Examples are encoded as the frozen probes encode them (lingua/eval/features.py: 
 example rounded up to a multiple of 8 (so a compiled or GPU step sees few distinct shapes); a regression score
 (STS-B) travels as the bits of its float32. Every epoch is a new seeded permutation of the train split, cut into
 global batches of `batch_size` examples per process (the last, incomplete one is dropped); rank r takes the r-th
-slice of each. The position (epoch, examples read) is the same on every rank, so a run resumes exactly, on any
-number of processes.
+slice of each. The position (epoch, examples read) is the same on every rank, so a run resumes exactly (on as many
+processes as it started on: apps/finetune/train.py refuses another number, whose epochs would differ).
 """
 
 import logging
@@ -85,7 +85,7 @@ def pad_rows(examples: list[list[int]], codes: torch.Tensor, pad_id: int) -> tor
 class GlueLoader:
     """Endless batches of this rank's slice of each global batch, epoch after epoch (the DataPipeline contract)."""
 
-    def __init__(self, args: GlueDataArgs, tokenizer, rank: int, world_size: int, state: dict | None):
+    def __init__(self, args: GlueDataArgs, tokenizer, rank: int, world_size: int, state: dict | None = None):
         self.args, self.rank, self.pad_id = args, rank, tokenizer.pad_id
         self.examples, self.codes = encode_split(args, tokenizer, "train")
         self.global_batch = args.batch_size * world_size  # steps_per_epoch checked that the split holds one
@@ -116,19 +116,13 @@ class GlueLoader:
         pass
 
 
-def steps_per_epoch(args: GlueDataArgs, world_size: int, grad_acc_steps: int) -> int:
+def steps_per_epoch(args: GlueDataArgs, world_size: int) -> int:
     """Optimizer steps in one pass over the train split (its last, incomplete global batch dropped)."""
-    examples, batch = len(read_split(args, "train").texts), args.batch_size * world_size * grad_acc_steps
+    examples, batch = len(read_split(args, "train").texts), args.batch_size * world_size
     if examples < batch:
         raise UserError(f"{args.glue_task.title}: {examples} training examples, fewer than one step's batch of "
-                        f"{batch} (data.batch_size {args.batch_size} x {world_size} processes x {grad_acc_steps} "
-                        "micro-batches)")
+                        f"{batch} (data.batch_size {args.batch_size} x {world_size} processes)")
     return examples // batch
-
-
-def build_glue_loader(args: GlueDataArgs, tokenizer, rank: int, world_size: int,
-                      state: dict | None = None) -> GlueLoader:
-    return GlueLoader(args, tokenizer, rank, world_size, state)
 
 
 def load_dev_rows(args: GlueDataArgs, tokenizer, n_rows: int) -> torch.Tensor:

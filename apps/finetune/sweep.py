@@ -4,10 +4,11 @@
         [lrs=1e-4,3e-5] [seeds=0,1,2] [epochs=3] [run_config=apps/finetune/configs/paper.yaml] [mnli_from=SWEEP_DIR]
         [run_overrides=KEY=VALUE,...] [cluster=slurm|local] [parallel=N] [gpus_per_node=1] [--dry-run] [any stool key]
 
-Writes SWEEP_DIR/sweep.yaml (one run per task, learning rate and seed: SWEEP_DIR/task<T>_lr<LR>_seed<S>) and runs
+Writes SWEEP_DIR/sweep.yaml (one run per task, learning rate and seed: SWEEP_DIR/<task>_lr<LR>_seed<S>) and runs
 it with `python -m lingua.stool sweep` (on SLURM every run is its own job, so the tasks of a model train in
 parallel). `mnli_from=SWEEP_DIR` starts RTE, MRPC and STS-B from the best MNLI run of that sweep (the RoBERTa
-protocol); run the MNLI sweep first. Then `python -m apps.finetune.table SWEEP_DIR` prints the table.
+protocol); run the MNLI sweep first, and this one into another folder. Then `python -m apps.finetune.table DIR`
+prints the table of every sweep below DIR.
 """
 
 import sys
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from apps.finetune.table import FINETUNE, choose, read_results
+from apps.finetune.table import choose, read_results
+from apps.finetune.train import FINETUNE
 from lingua import stool
 from lingua.args import UserError, command_line, load_config, parse_assignment
 from lingua.eval.glue import TASKS
@@ -51,17 +53,22 @@ def sweep_spec(args: SweepArgs) -> dict:
         raise UserError("lrs and seeds need at least one value each")
     mnli = best_mnli_run(Path(args.mnli_from)) if args.mnli_from else None
     from_mnli = {"init_from": str(mnli)} if mnli else {}
-    runs = [{"data.task": task, **(from_mnli if task in STARTED_FROM_MNLI else {})} for task in args.tasks]
+    runs = [{"name": f"{task}_lr{lr:g}_seed{seed}", "data.task": task, "optim.lr": lr, "seed": seed,
+             **(from_mnli if task in STARTED_FROM_MNLI else {})}
+            for task in args.tasks for lr in args.lrs for seed in args.seeds]
     overrides = {"init_from": args.init_from, "data.path": args.data,
                  **({"epochs": args.epochs} if args.epochs else {}), **dict(map(parse_assignment, args.run_overrides))}
     return {"script": FINETUNE, "config": args.run_config, "dump_dir": args.dump_dir, "overrides": overrides,
-            "runs": runs, "grid": {"optim.lr": args.lrs, "seed": args.seeds},
+            "runs": runs,
             "launcher": {"gpus_per_node": 1, "time": 240}}  # one GPU per run
 
 
 def best_mnli_run(folder: Path) -> Path:
     """best.pt of the MNLI run with the highest dev score at the learning rate chosen on dev (apps.finetune.table)."""
-    results = [r for r in read_results([folder])[0] if r.task == "mnli"]
+    finished, unfinished = read_results([folder])
+    results = [r for r in finished if r.task == "mnli"]
+    if any((yaml.safe_load((run / "config.yaml").read_text()) or {})["data"]["task"] == "mnli" for run in unfinished):
+        raise UserError(f"mnli_from: {folder} has MNLI runs that have not finished")
     if not results:
         raise UserError(f"mnli_from: no finished MNLI run under {folder}")
     if len({r.model for r in results}) > 1:

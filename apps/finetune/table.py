@@ -2,8 +2,9 @@
 
     python -m apps.finetune.table SWEEP_DIR [SWEEP_DIR ...]
 
-Every fine-tuning run below the folders counts (its config.yaml and best.json: the dev score of its best epoch).
-Runs are grouped by the pre-trained model they start from (followed through an MNLI start to the pre-training run);
+Every finished fine-tuning run below the folders counts (its config.yaml, and best.json: the dev score of its best
+epoch). Runs are grouped by the pre-training checkpoint they descend from (through an MNLI start; `origin`, recorded
+at the start);
 per model and task, the learning rate with the best median over seeds is chosen on dev, and the table shows that
 median; the average is over the tasks present. The paper's row is printed beside a model of the paper's shape (its
 app's single_scale.yaml encoder). Writes table.md and table.json into the first folder.
@@ -25,7 +26,6 @@ from lingua.checkpoint import Checkpoint
 from lingua.eval.glue import TASKS
 from lingua.files import atomic_write
 
-FINETUNE = "apps.finetune.train"
 # The paper's Table 3, GLUE full fine-tuning (dev), in TASKS order
 PAPER_FINETUNE = {
     "bert": (86.5, 90.0, 88.5, 85.3, 95.1, 91.9, 63.0, 91.2),
@@ -47,31 +47,21 @@ class Result:
 
 
 def read_results(folders: list[Path]) -> tuple[list[Result], list[Path]]:
-    """(the finished runs' results, the runs without one yet)."""
+    """(the finished runs' results, the runs not finished yet: no consolidated.pt, the last step's export)."""
     results, unfinished = [], []
     for config_file in sorted(p for folder in folders for p in folder.rglob("config.yaml")):
         run = config_file.parent
         config = yaml.safe_load(config_file.read_text()) or {}
         if "epochs" not in config or "task" not in config.get("data", {}):
             continue  # not a fine-tuning run
-        if not (run / "best.json").exists():
+        if not (run / "consolidated.pt").exists():
             unfinished.append(run)
             continue
         best = json.loads((run / "best.json").read_text())
         epoch = best["step"] // config["validation"]["every"]
-        results.append(Result(pretrained_origin(config["init_from"]), config["data"]["task"],
+        results.append(Result(config["origin"] or "(random initialisation)", config["data"]["task"],
                               float(config["optim"]["lr"]), config["seed"], best["val/score"], epoch, run))
     return results, unfinished
-
-
-def pretrained_origin(init_from: str) -> str:
-    """The pre-training run a fine-tuning run starts from, through any fine-tuning runs between (an MNLI start)."""
-    if not init_from:
-        return "(random initialisation)"
-    checkpoint = Checkpoint.open(init_from)
-    if checkpoint.app_name == FINETUNE:
-        return pretrained_origin(checkpoint.config["init_from"])
-    return str(checkpoint.path)
 
 
 def choose(results: list[Result]) -> dict[str, dict[str, dict]]:
@@ -112,13 +102,16 @@ def format_table(table: dict) -> str:
         scores = [tasks[name]["score"] for name in TASKS if name in tasks]
         label = run_dump_dir(Path(model)).name
         cells = "".join(f"{tasks[name]['score']:>6.1f}" if name in tasks else f"{'-':>6}" for name in TASKS)
-        lines.append(f"{label[:27]:<28}{cells}{sum(scores) / len(scores):>6.1f}")
+        partial = "*" if len(scores) < len(TASKS) else ""
+        lines.append(f"{label[:27]:<28}{cells}{sum(scores) / len(scores):>6.1f}{partial}")
         lines.append(f"{'  learning rate':<28}" + "".join(
             f"{tasks[name]['lr']:>6.0e}" if name in tasks else f"{'':>6}" for name in TASKS))
         paper = paper_app(model)
         if paper is not None:
             lines.append(f"{'  paper: ' + paper:<28}" + "".join(f"{v:>6.1f}" for v in PAPER_FINETUNE[paper])
                          + f"{PAPER_AVERAGE[paper]:>6.1f}")
+    if any(len(tasks) < len(TASKS) for tasks in table.values()):
+        lines.append("* the average of the tasks present (the paper's is over all 8)")
     return "\n".join(lines)
 
 
