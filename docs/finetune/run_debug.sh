@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GLUE fine-tuning of the three debug models on the five tasks available offline (RTE, SST-2, MRPC, CoLA, STS-B),
 # on a CPU: pre-trains each debug model (skipped when done), fine-tunes it on each task for one epoch at lr 1e-4
-# (one seed; the paper-scale grid is in README.md), then prints the Table 3 layout. About an hour on 2 cores.
+# (one seed; the paper-scale grid: docs/finetuning.md), then prints the Table 3 layout. About an hour on 2 cores.
 #   bash docs/finetune/run_debug.sh [GLUE_DIR]     # default ../shared/data/glue
 set -euo pipefail
 cd "$(dirname "$0")/../.."
