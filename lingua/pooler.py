@@ -33,7 +33,7 @@ POOLERS = ("attention", "mean")
 @dataclass
 class PoolerArgs:
     kind: str = "attention"  # attention: a learned query and cross-attention blocks | mean: mean of the real tokens
-    n_layers: int = 1  # cross-attention blocks (attention); a warm start takes the predictor's depth
+    n_layers: int = 1  # cross-attention blocks (attention), for every app alike; a warm start must have this shape
     n_heads: int | None = None  # default: the encoder's
     warm_start: bool = True  # initialise the attention pooler from a CrossBERT predictor when init_from has one
 

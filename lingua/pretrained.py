@@ -1,8 +1,8 @@
-"""Starting an app from another run's backbone (contrastive probing, fine-tuning): the pre-trained run's encoder
-shape and tokenizer, its weights, and a warm start of the attention pooler from a model that offers one
+"""Starting an app from another run's backbone (contrastive probing, fine-tuning): the pre-trained run's encoder shape
+and tokenizer, its weights, and a warm start of the attention pooler from a model that offers one
 (`pooler_warm_start`: CrossBERT's predictor, the paper's section 3 and Appendix D; a contrastive or fine-tuning run's
-own pooler). The app's model holds the backbone as `encoder` and the pooler as `pooler` (an `AttentionPooler` or
-None), its args `encoder` (TransformerArgs) and `pooler` (PoolerArgs)."""
+own pooler) of the config's shape. The app's model holds the backbone as `encoder` and the pooler as `pooler` (an
+`AttentionPooler` or None), its args `encoder` (TransformerArgs) and `pooler` (PoolerArgs)."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -11,14 +11,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from lingua.args import UserError, from_dict, to_dict
 from lingua.checkpoint import Checkpoint, build_from_params
-from lingua.pooler import PoolerArgs
+from lingua.pooler import PoolerArgs, pooler_transformer
+from lingua.transformer import TransformerArgs, head_dim_of
 
 RUNTIME_KEYS = ("attn_backend", "head_chunk")  # the encoder's settings that are this run's choice, not the model's
 
 
 def adopt_pretrained(args, attention_pooler: bool):
-    """With init_from, the config with the pre-trained run's encoder shape and tokenizer and, when the model has an
-    attention pooler (`attention_pooler`) that warm-starts, the depth and heads of what starts it."""
+    """With init_from, the config with the pre-trained run's encoder shape and tokenizer. The attention pooler keeps
+    the config's shape (`model.pooler`, the same for every app compared); when it warm-starts (`attention_pooler`
+    and a source that offers one), what starts it must have that shape."""
     if not args.init_from:
         return args
     if not Path(args.init_from).exists():
@@ -29,10 +31,19 @@ def adopt_pretrained(args, attention_pooler: bool):
     model = replace(args.model, encoder=replace(args.model.encoder, **encoder))
     pretrained = build_from_params(checkpoint.params, "meta")[0]  # shapes only: no weight is read
     if attention_pooler and _warm_starts(model.pooler, pretrained):
-        shape, _ = pretrained.pooler_warm_start()
-        model = replace(model, pooler=replace(model.pooler, n_layers=shape.n_layers, n_heads=shape.n_heads))
+        check_warm_start_shape(pooler_transformer(model.pooler, model.encoder), pretrained.pooler_warm_start()[0])
     tokenizer = from_dict(type(args.data.tokenizer), source["data"]["tokenizer"])
     return replace(args, model=model, data=replace(args.data, tokenizer=tokenizer))
+
+
+def check_warm_start_shape(pooler: TransformerArgs, source: TransformerArgs) -> None:
+    """The pooler's shape is the config's, for every app alike (a cold start has it too): a warm start must fill it."""
+    ours, theirs = [(a.n_layers, a.n_heads, head_dim_of(a)) for a in (pooler, source)]
+    if ours != theirs:
+        raise UserError(f"model.pooler has {ours[0]} layers of {ours[1]} heads of {ours[2]}, what warm-starts it "
+                        f"{theirs[0]} of {theirs[1]} of {theirs[2]}: set model.pooler.n_layers={theirs[0]} "
+                        f"model.pooler.n_heads={theirs[1]} (and the same for every app compared), or "
+                        "model.pooler.warm_start=false")
 
 
 def _warm_starts(pooler: PoolerArgs, pretrained) -> bool:

@@ -218,3 +218,9 @@ def test_the_shipped_configs_load_and_msmarco_is_the_papers_setting():
     paper = load_config(contrastive.APP.args_cls, [f"config={configs / 'msmarco.yaml'}"])
     assert paper.data.batch_size * 8 == 512 and (paper.optim.lr, paper.optim.lr_min) == (5e-5, 5e-7)
     assert paper.steps == 502_939 // 512  # one epoch of MS MARCO's queries
+
+
+def test_a_run_trains_with_eq5_as_written(pretrained, tmp_path):
+    triplets = write_triplets(tmp_path / "train.jsonl", 32)
+    _, summary = run_contrastive(contrastive_argv(triplets, tmp_path / "eq5", pretrained, 3, "model.loss=eq5"))
+    assert summary["steps"] == 3 and math.isfinite(summary["final_loss"])

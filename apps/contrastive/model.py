@@ -1,19 +1,24 @@
 """Contrastive probing and fine-tuning (paper section 4.2 and 5.1, "Eval on MTEB"): a pre-trained encoder, a pooler,
-and the InfoNCE loss of eq. 5.
+and an InfoNCE loss.
 
 Each row of a batch is a query, its positive passage and its hard negatives. Every text is encoded by the backbone
-and pooled into a unit vector (lingua/pooler.py). Query i is scored against every passage of the step, its own hard
-negatives, the other queries' positives and negatives (in-batch negatives) and, when distributed, those of every
-rank (gathered with their gradients), by cosine similarity over a temperature:
+and pooled into a unit vector (lingua/pooler.py). With `loss: simclr` (the default; the SimCLR form of the paper's
+reference [10], not eq. 5 as written) query i is scored against every passage of the step, its own hard negatives,
+the other queries' positives and negatives (in-batch negatives) and, when distributed, those of every rank
+(gathered with their gradients), by cosine similarity over a temperature:
 
     L = -1/N sum_i log( exp(cos(q_i, p_i) / t) / sum_{p in passages} exp(cos(q_i, p) / t) )
+
+With `loss: eq5`, eq. 5 as the paper writes it: raw cosine (no temperature) and only the query's own positive and
+hard negatives in the denominator.
 
 `frozen: true` (the paper's frozen protocol) trains the pooler only: the backbone's states are computed without
 gradient and its parameters do not require one. `frozen: false` fine-tunes everything.
 
 The backbone comes from `init_from=` (any app's run or checkpoint): `configure` takes its encoder shape and
 tokenizer, and `lingua.pretrained.load_pretrained` its weights, plus, for CrossBERT with `pooler.warm_start`, the
-predictor's weights into the attention pooler (Appendix D); the pooler takes the predictor's depth and heads for that.
+predictor's weights into the attention pooler (Appendix D), which must have the config's shape (`model.pooler`, the
+same for every app compared).
 """
 
 from dataclasses import dataclass, field
@@ -30,23 +35,35 @@ from lingua.pooler import AttentionPooler, PoolerArgs, mean_pool_normalised, poo
 from lingua.pretrained import adopt_pretrained
 from lingua.transformer import Encoder, TransformerArgs, head_dim_of
 
+LOSSES = ("simclr", "eq5")
+
 
 @dataclass
 class ContrastiveArgs:
     encoder: TransformerArgs = field(default_factory=TransformerArgs)  # with init_from: the pre-trained run's
     pooler: PoolerArgs = field(default_factory=PoolerArgs)
-    temperature: float = 0.05  # cosine similarities are divided by it
+    loss: str = "simclr"  # simclr: over a temperature, every passage of the step | eq5: eq. 5 as written
+    temperature: float = 0.05  # simclr: cosine similarities are divided by it
     frozen: bool = True  # true: only the pooler trains (the frozen protocol) | false: full fine-tuning
 
     def __post_init__(self):
         require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        require(self.loss in LOSSES, "loss", f"must be one of {', '.join(LOSSES)}, got '{self.loss}'")
 
 
 def info_nce(queries: torch.Tensor, passages: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """Eq. 5 over unit vectors: queries [N, D], passages [P, D], targets [N] (the index of each query's positive
+    """InfoNCE over unit vectors: queries [N, D], passages [P, D], targets [N] (the index of each query's positive
     among the passages). Returns the mean loss and the share of queries whose positive scores highest."""
     logits = queries.float() @ passages.float().T / temperature
     return F.cross_entropy(logits, targets), (logits.argmax(1) == targets).float().mean()
+
+
+def eq5_loss(vectors: torch.Tensor):
+    """Eq. 5 as written, over unit vectors [B, T, D] (query, positive, hard negatives per row): raw cosine, the
+    query's own passages only. Returns the mean loss and the share of queries whose positive scores highest."""
+    scores = torch.einsum("bd,btd->bt", vectors[:, 0].float(), vectors[:, 1:].float())
+    targets = torch.zeros(len(scores), dtype=torch.long, device=scores.device)
+    return F.cross_entropy(scores, targets), (scores.argmax(1) == 0).float().mean()
 
 
 class Contrastive(AppModel):
@@ -67,6 +84,9 @@ class Contrastive(AppModel):
         """rows [B, T, L]: query, positive, T - 2 negatives per row."""
         B, T, L = rows.shape
         vectors = self.embed(rows.reshape(B * T, L)).view(B, T, -1)
+        if self.args.loss == "eq5":
+            loss, accuracy = eq5_loss(vectors)
+            return loss, {"accuracy": accuracy}
         passages = vectors[:, 1:].reshape(B * (T - 1), -1)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         if world > 1:  # every rank's passages are negatives for every query; gradients flow back to their rank
@@ -106,6 +126,6 @@ def build_contrastive(args: ContrastiveArgs, tokenizer) -> Contrastive:
 
 
 def configure(args):
-    """With init_from, the pre-trained run's encoder and tokenizer, and a warm-started attention pooler of its
-    predictor's depth and heads (lingua/pretrained.py)."""
+    """With init_from, the pre-trained run's encoder and tokenizer; a warm start of the attention pooler must have the
+    config's shape (lingua/pretrained.py)."""
     return adopt_pretrained(args, attention_pooler=args.model.pooler.kind == "attention")
