@@ -132,7 +132,7 @@ def plan(args: PlanArgs):
                            {path: flops for path, (flops, _) in measured.items()})
     flops, views = measured[chosen]
     laws = app.scaling
-    result = plan_batch(args.compute, flops, laws.bsz(args.compute * laws.bsz_compute), laws.lr(args.compute),
+    result = plan_batch(args.compute, flops, laws.bsz(args.compute), laws.lr(args.compute),
                         views * args.seq_len, args.gpus, args.micro_batch, args.grad_acc)
     return chosen, configs[chosen], result
 

@@ -30,7 +30,9 @@ CROSSBERT_ROWS = [
     (1.70e20, 1408, 31, 79141, 58.35, 737280, 6, 5, 1.29e-3),
     (4.07e20, 1664, 34, 114660, 90.17, 786432, 16, 3, 1.01e-3),
     (9.99e20, 1920, 41, 176106, 141.38, 802816, 56, 1, 9.00e-4),
+    (5.0e21, 2560, 52, 304688, 319.49, 1048576, 128, 1, 6.00e-4),
 ]
+LR_GAPS = {9.99e20: 0.15, 5.0e21: 0.18}  # CrossBERT's models 7 and 8: the table's LR is 13% and 17% above its law
 
 
 @pytest.mark.parametrize("app,row", [("bert", r) for r in BERT_ROWS] + [("crossbert", r) for r in CROSSBERT_ROWS])
@@ -39,13 +41,14 @@ def test_plan_reproduces_appendix_j(app, row):
     _, config, plan = scaling.plan(scaling.PlanArgs(app=app, compute=compute, gpus=gpus, grad_acc=grad_acc))
     encoder = config["model"]["encoder"]
     assert (encoder["dim"], encoder["n_layers"]) == (dim, layers)
-    # The FLOPs column has 3 digits, so what is derived from C carries up to ~0.5% of rounding.
-    assert plan.token_views / 1e9 == pytest.approx(tokens_b, rel=0.01)
-    # The table's own BSZ column departs from its laws by up to 9.4% (CrossBERT model 4; 9 of 16 rows within
-    # 1.5%), its LR of CrossBERT model 7 (9e-4) by 15% from the law's 7.8e-4: the plan follows the laws.
-    assert plan.batch_token_views == pytest.approx(bsz, rel=0.1)
-    assert plan.steps == pytest.approx(steps, rel=0.11)
-    assert plan.lr == pytest.approx(lr, rel=0.015 if (app, compute) != ("crossbert", 9.99e20) else 0.15)
+    # The FLOPs column has 3 digits (CrossBERT model 8's: 2), so what is derived from C carries that rounding.
+    assert plan.token_views / 1e9 == pytest.approx(tokens_b, rel=0.01 if compute != 5.0e21 else 0.025)
+    # The table's own BSZ column departs from its laws by up to 6.9% (BERT model 2; CrossBERT models 0 and 7: 6.7%),
+    # 7.1% once rounded to whole sequences per GPU; its LR by 13% and 17% for CrossBERT's models 7 and 8: the plan
+    # follows the laws.
+    assert plan.batch_token_views == pytest.approx(bsz, rel=0.075)
+    assert plan.steps == pytest.approx(steps, rel=0.075)
+    assert plan.lr == pytest.approx(lr, rel=LR_GAPS.get(compute, 0.015) if app == "crossbert" else 0.015)
     assert plan.steps * plan.batch_token_views == pytest.approx(plan.token_views, rel=plan.batch_token_views / 2
                                                                  / plan.token_views + 1e-9)
     assert plan.sequences_per_step % (gpus * grad_acc) == 0
