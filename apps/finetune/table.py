@@ -4,10 +4,9 @@
 
 Every finished fine-tuning run below the folders counts (its config.yaml, and best.json: the dev score of its best
 epoch). Runs are grouped by the pre-training checkpoint they descend from (through an MNLI start; `origin`, recorded
-at the start);
-per model and task, the learning rate with the best median over seeds is chosen on dev, and the table shows that
-median; the average is over the tasks present. The paper's row is printed beside a model of the paper's shape (its
-app's single_scale.yaml encoder). Writes table.md and table.json into the first folder.
+at the start); per model and task, the learning rate with the best median over seeds is chosen on dev, and the table
+shows that median; the average is over the tasks present. The paper's row is printed beside a model of the paper's
+shape (its app's single_scale.yaml encoder). Writes table.md and table.json into the first folder.
 """
 
 import json
