@@ -10,8 +10,10 @@ paper's Appendix J) whose F_N is nearest sqrt(C / ratio); D = C / F_N token-view
 laws (section 5.1); steps, per-GPU batch and gradient accumulation for `gpus`. fit: from a sweep over sizes, learning
 rates and batch sizes, the best `keep` runs per size by final validation loss, and the LR and BSZ power laws of C
 fitted by log-log least squares (Appendix H). plot: validation-loss curves against compute (curves), final
-validation loss against compute with its fitted law (loss), both a panel per app, and frozen GLUE probe averages
-against compute per app (probes, the paper's Figure 1; from each run's glue_eval results). table: a Markdown table
+validation loss against compute with its fitted law (loss), both a panel per app, and the frozen scores against
+compute per app (probes, the paper's Figure 1): a GLUE panel (the probe averages of each run's glue_eval results)
+and a panel per MTEB benchmark (the Avg. of each run's mteb_eval results). runs= takes patterns too
+(DIR/*/pretrain). table: a Markdown table
 of the runs by app and compute, with their final validation loss and frozen GLUE scores per task.
 """
 
@@ -177,8 +179,10 @@ def plan_command(argv: list[str]) -> None:
 
 
 def run_dirs(spec: str) -> list[Path]:
-    """Every dump_dir under the given sweep folders (those holding a metrics.jsonl), or the dump_dirs themselves."""
-    folders = [Path(p.strip()) for p in spec.split(",") if p.strip()]
+    """Every dump_dir under the given sweep folders (those holding a metrics.jsonl), or the dump_dirs themselves;
+    a pattern (dump/pipelines/figure1/*/pretrain) stands for the folders it matches."""
+    folders = [Path(p) for part in spec.split(",") if part.strip()
+               for p in (sorted(glob.glob(part.strip())) if glob.has_magic(part) else [part.strip()])]
     if not folders:
         raise UserError("runs= is required: sweep folders or dump_dirs, comma-separated")
     found = []
@@ -211,6 +215,7 @@ def read_run(dump_dir: Path) -> dict[str, Any]:
         "val_curve": [(r["step"] * flops_per_step, r["val/loss"]) for r in val],
         "final_val_loss": val[-1]["val/loss"] if val else None,
         "probes": _probe_results(dump_dir),
+        "mteb": _mteb_results(dump_dir),
     }
 
 
@@ -233,6 +238,17 @@ def _probe_results(dump_dir: Path) -> dict[str, dict[str, float]]:
     if not results:
         return {}
     return json.loads(results[-1].read_text())["summary"].get("last", {})
+
+
+def _mteb_results(dump_dir: Path) -> dict[str, float]:
+    """{benchmark: Avg.} of the newest MTEB evaluation per benchmark filed with the run (DUMP_DIR/mteb_eval/*/: the
+    contrastive model trained from it, evaluated with apps.eval.mteb out=DUMP_DIR/mteb_eval/NAME)."""
+    found: dict[str, float] = {}
+    for path in sorted((dump_dir / "mteb_eval").glob("*/results.json"), key=lambda p: p.stat().st_mtime):
+        results = json.loads(path.read_text())
+        benchmark = "offline stand-ins" if results["args"].get("offline") else results["args"]["benchmark"]
+        found[benchmark] = results["summary"]["Avg."]
+    return found
 
 
 def fit_command(argv: list[str]) -> None:
@@ -262,8 +278,10 @@ def plot_command(argv: list[str]) -> None:
     import matplotlib.pyplot as plt
 
     runs = [read_run(d) for d in run_dirs(args.runs)]
-    # Losses get a panel per app: the apps' losses are of different tasks (and scales), not comparable.
-    panels = sorted({run["app"] for run in runs}) if args.kind in ("curves", "loss") else [None]
+    # Losses get a panel per app: the apps' losses are of different tasks (and scales), not comparable; probes a
+    # panel per benchmark, GLUE then each MTEB benchmark evaluated, the apps side by side.
+    panels = (sorted({run["app"] for run in runs}) if args.kind in ("curves", "loss")
+              else ["GLUE", *sorted({benchmark for run in runs for benchmark in run["mteb"]})])
     fig, axes = plt.subplots(1, len(panels), figsize=(1 + 5 * len(panels), 4), squeeze=False)
     for ax, app in zip(axes[0], panels):
         shown = [run for run in runs if app in (None, run["app"])]
@@ -275,11 +293,13 @@ def plot_command(argv: list[str]) -> None:
         elif args.kind == "loss":
             _scatter_with_law(ax, shown, lambda run: run["final_val_loss"])
             ax.set_ylabel("final validation loss")
-        else:
-            _scatter_with_law(ax, shown, lambda run: run["probes"].get(args.probe, {}).get("avg"), fit=False)
+        elif app == "GLUE":
+            _scatter_with_law(ax, runs, lambda run: run["probes"].get(args.probe, {}).get("avg"), fit=False)
             ax.set_ylabel(f"frozen GLUE average, {args.probe} probe (%)")
-        if app:
-            ax.set_title(app)
+        else:
+            _scatter_with_law(ax, runs, lambda run, benchmark=app: run["mteb"].get(benchmark), fit=False)
+            ax.set_ylabel(f"{app} Avg. (%)")
+        ax.set_title(app)
         ax.set_xscale("log")
         ax.set_xlabel("compute C (FLOPs, paper counting)")
         ax.legend(fontsize=7)

@@ -3,7 +3,8 @@
     python -m lingua.stool run script=apps.crossbert.train config=PATH nodes=N gpus_per_node=G partition=P \\
         time=MINUTES [key=value ...]          # one run; any key stool does not know overrides the run's config
     python -m lingua.stool sweep sweep=SWEEP.yaml [cluster=local] [--dry-run]
-    python -m lingua.stool status SWEEP_OR_DUMP_DIR
+    python -m lingua.stool pipeline pipeline=PIPELINE.yaml [cluster=local] [NAME=PATH ...] [--dry-run]
+    python -m lingua.stool status SWEEP_PIPELINE_OR_DUMP_DIR
 
 A run gets one task per GPU (lingua/distributed.py reads srun's variables), the stop signal `signal_delay_s` before
 the time limit (the training loop saves a checkpoint and requeues the job, which resumes), its resolved config in
@@ -22,6 +23,9 @@ the values it sets:
     runs: [{model.mask_ratio: 0.3}, {model.mask_ratio: 0.5, name: half}]   # ... of each of these (default: one
                                        # empty run); `name` sets a run's folder
     launcher: {nodes: 1, gpus_per_node: 8, partition: learn, time: 720}   # stool's keys (command line wins)
+
+A pipeline chains commands (training, evaluation, tables) into stages that start when the stages they need are
+done: lingua/pipeline.py describes its file.
 """
 
 import contextlib
@@ -64,6 +68,7 @@ class LauncherArgs:
     script: str = ""  # the training module, e.g. apps.crossbert.train (run; a sweep file may set it per run)
     config: str = ""  # the run's base YAML config (run; a sweep file may set it per run)
     sweep: str = ""  # a sweep YAML file (sweep)
+    pipeline: str = ""  # a pipeline YAML file (pipeline)
     cluster: str = "slurm"  # slurm | local: submitit's local executor, on this machine
     nodes: int = 1  # SLURM nodes per run
     gpus_per_node: int = 8  # also the tasks per node (one process per GPU); 0: a CPU job of one task
@@ -436,12 +441,22 @@ def main(argv: list[str] | None = None) -> None:
         command, rest = argv[0], argv[1:]
         if command == "status":
             if len(rest) != 1 or rest[0].startswith("-"):
-                raise UserError("usage: python -m lingua.stool status SWEEP_OR_DUMP_DIR")
-            print(format_status(status_rows(Path(rest[0]))))
+                raise UserError("usage: python -m lingua.stool status SWEEP_PIPELINE_OR_DUMP_DIR")
+            folder = Path(rest[0])
+            if (folder / "pipeline.json").exists():
+                from lingua.pipeline import format_status as format_pipeline_status  # it builds on this module
+
+                print(format_pipeline_status(folder))
+            else:
+                print(format_status(status_rows(folder)))
+        elif command == "pipeline":
+            from lingua.pipeline import pipeline_command
+
+            pipeline_command(rest)
         elif command in COMMANDS:
             COMMANDS[command](rest)
         else:
-            raise UserError(f"unknown command '{command}' (run, sweep or status)")
+            raise UserError(f"unknown command '{command}' (run, sweep, pipeline or status)")
 
 
 if __name__ == "__main__":

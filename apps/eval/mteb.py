@@ -1,12 +1,14 @@
 """MTEB evaluation of a checkpoint's sentence embeddings (mteb's own evaluation, no prompts, as in the paper):
 
     python -m apps.eval.mteb ckpt=DUMP_DIR_OR_CHECKPOINT [benchmark="MTEB(eng, v2)"] [tasks=STS12,SciFact]
-        [batch_size=32] [device=auto] [pooling=auto] [max_len=0] [out=DIR] [overwrite=false]
+        [batch_size=32] [device=auto] [pooling=auto] [max_len=0] [out=DIR] [overwrite=false] [offline=DATA_DIR]
 
 Prints each task's main score, then the paper's table (one column per task type, Avg. = their mean, Overall = the
 mean over tasks). Writes mteb's result files under OUT/results/ and the summary, OUT/results.json; OUT defaults to
 DUMP_DIR/mteb_eval/<checkpoint name>/. Tasks whose results are already in OUT are not run again (an interrupted run
-resumes), unless overwrite=true. The task data comes from the Hugging Face Hub, or its cache (HF_HOME).
+resumes), unless overwrite=true. The task data comes from the Hugging Face Hub, or its cache (HF_HOME);
+`offline=DATA_DIR` runs instead the stand-in tasks of lingua/eval/mteb_offline.py, built from local files (one or
+two per task type; `tasks=` picks among them).
 Needs `pip install mteb==2.26.24`.
 """
 
@@ -34,6 +36,7 @@ class MtebCommandArgs:
     max_len: int = 0  # tokens per text; 0: the length the model was trained on
     out: str = ""  # results folder; default DUMP_DIR/mteb_eval/<checkpoint name>/
     overwrite: bool = False  # run again the tasks whose results are already in out
+    offline: str = ""  # a folder of local data (glue/, retrieval/): its stand-in tasks instead of the benchmark
 
     def __post_init__(self):
         at_least(self, 1, "batch_size")
@@ -54,8 +57,9 @@ def run(args: MtebCommandArgs) -> dict:
         raise UserError("the mteb package is not installed: pip install mteb==2.26.24")
     from lingua.embed import load_embedder
     from lingua.eval.mteb import format_table, run_mteb, select_tasks, summarize
+    from lingua.eval.mteb_offline import offline_tasks
 
-    tasks = select_tasks(args.benchmark, args.tasks)  # before the (slow) model loading
+    tasks = offline_tasks(args.offline, args.tasks) if args.offline else select_tasks(args.benchmark, args.tasks)
     out = output_dir(args)
     try:
         out.mkdir(parents=True, exist_ok=True)  # now, not after hours of evaluation

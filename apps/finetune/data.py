@@ -34,12 +34,14 @@ class GlueDataArgs:
     seq_len: int = 128  # the most tokens per example, <s> and </s> included (a pair's longer sentence is cut first)
     batch_size: int = 32  # examples per process and micro-batch: the protocol's batch is this x processes x grad_acc
     seed: int | None = None  # the order of the training examples (a new permutation each epoch); default: the run's
+    max_train: int = 0  # train on at most this many examples, a fixed random subset (quick runs); 0: all
     tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)  # with init_from: the pre-trained run's
 
     def __post_init__(self):
         require(self.task in TASKS, "task", f"unknown GLUE task '{self.task}' (valid: {', '.join(TASKS)})")
         at_least(self, 6, "seq_len")  # a pair's four special tokens and a token of each sentence
         at_least(self, 1, "batch_size")
+        at_least(self, 0, "max_train")
         require(self.seed is None or self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
 
     @property
@@ -48,14 +50,19 @@ class GlueDataArgs:
 
 
 def read_split(args: GlueDataArgs, split: str):
-    """The task's "train" or "dev" split; one line for a missing split or a label outside the task's set."""
+    """The task's "train" (at most max_train examples) or "dev" split; one line for a missing split or a label
+    outside the task's set."""
     task = args.glue_task
     if not args.path:
         raise UserError("data.path is required: a folder in the GLUE TSV layout (SST-2/train.tsv, ...), or hf")
     try:
-        return load_split(task, split, args.path, strict=True)
+        data = load_split(task, split, args.path, strict=True)
     except MissingSplit as e:
         raise UserError(f"{task.title}: {e}") from None
+    if split == "train" and 0 < args.max_train < len(data.texts):
+        keep = torch.randperm(len(data.texts), generator=torch.Generator().manual_seed(0))[:args.max_train]
+        data = data.subset(keep.sort().values)
+    return data
 
 
 def label_codes(labels: torch.Tensor) -> torch.Tensor:

@@ -19,19 +19,12 @@ from pathlib import Path
 import yaml
 
 from apps.eval.glue import run_dump_dir
+from apps.paper import GLUE_FINETUNE
 from lingua.app import load_app, short_name
 from lingua.args import UserError, command_line
 from lingua.checkpoint import Checkpoint
 from lingua.eval.glue import TASKS
 from lingua.files import atomic_write
-
-# The paper's Table 3, GLUE full fine-tuning (dev), in TASKS order
-PAPER_FINETUNE = {
-    "bert": (86.5, 90.0, 88.5, 85.3, 95.1, 91.9, 63.0, 91.2),
-    "crossbert": (86.4, 90.3, 88.4, 85.1, 94.8, 91.4, 65.5, 91.5),
-    "electra": (88.7, 93.3, 89.1, 83.4, 94.6, 92.0, 71.0, 90.0),
-}
-PAPER_AVERAGE = {"bert": 86.4, "crossbert": 86.6, "electra": 87.8}
 
 
 @dataclass(frozen=True)
@@ -86,7 +79,7 @@ def paper_app(model: str) -> str | None:
         return None
     checkpoint = Checkpoint.open(model)
     name = short_name(checkpoint.app_name)
-    single_scale = load_app(name).config("single_scale") if name in PAPER_FINETUNE else None
+    single_scale = load_app(name).config("single_scale") if name in GLUE_FINETUNE else None
     if single_scale is None:
         return None
     paper = yaml.safe_load(single_scale.read_text())["model"]["encoder"]
@@ -107,8 +100,7 @@ def format_table(table: dict) -> str:
             f"{tasks[name]['lr']:>6.0e}" if name in tasks else f"{'':>6}" for name in TASKS))
         paper = paper_app(model)
         if paper is not None:
-            lines.append(f"{'  paper: ' + paper:<28}" + "".join(f"{v:>6.1f}" for v in PAPER_FINETUNE[paper])
-                         + f"{PAPER_AVERAGE[paper]:>6.1f}")
+            lines.append(f"{'  paper: ' + paper:<28}" + "".join(f"{v:>6.1f}" for v in GLUE_FINETUNE[paper]))
     if any(len(tasks) < len(TASKS) for tasks in table.values()):
         lines.append("* the average of the tasks present (the paper's is over all 8)")
     return "\n".join(lines)

@@ -1,0 +1,417 @@
+"""Pipelines: the stages behind one of the paper's tables, each a command, run when the stages it needs are done.
+
+    python -m lingua.stool pipeline pipeline=FILE.yaml [cluster=slurm|local] [NAME=PATH ...] [--dry-run]
+    python -m lingua.stool status PIPELINE_DIR
+
+A pipeline file:
+
+    dump_dir: dump/pipelines/table3          # the pipeline's folder: {dir} in the commands
+    paths: {glue: ../shared/data/glue}       # {glue} in the commands, made absolute; NAME=PATH on the command line
+    variants:                                # a stage whose command names {variant} or a variant's key runs once
+      bert: {app: bert}                      # per variant, as STAGE.VARIANT, with the variant's keys filled in
+      crossbert: {app: crossbert}
+    launcher: {gpus_per_node: 1, time: 240}  # stool's keys, for every stage (a stage's own launcher wins; its
+                                             # values may name a variant's keys too: nodes: "{nodes}")
+    stages:
+      pretrain:
+        run: apps.{app}.train config=apps/{app}/configs/debug.yaml dump_dir={dir}/{variant}/pretrain
+        launcher: {nodes: 4, gpus_per_node: 8, time: 1440}
+      probes:
+        after: [pretrain]                    # the same variant's stage; from a stage run once: every variant's
+        run: apps.eval.glue ckpt={dir}/{variant}/pretrain data={glue} out={dir}/{variant}/probes
+
+`run` is a Python module and its key=value arguments (`python -m` runs it, in the pipeline's copy of the code,
+DIR/code). On `local` the stages run one after the other on this machine, each as one process; on `slurm` every
+stage is a job (its launcher's nodes and GPUs, one task per GPU) that SLURM starts once the jobs of the stages it
+needs have succeeded, and never if one failed. Each stage's record is in DIR/stages/STAGE/: log.txt, then done.json
+or failed.json. Running the pipeline again skips the stages that are done (and on SLURM those still queued or
+running), and runs again a failed or interrupted one: a training run resumes from its checkpoint. A stage that
+received the stop signal (preemption, the time limit) is not done, whatever its exit code.
+"""
+
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lingua import stool
+from lingua.args import UserError, _read_yaml, load_config
+from lingua.files import atomic_write
+
+FORWARDED_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # a scheduler's stop signals
+ACTIVE_SLURM_STATES = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "RESIZING", "SUSPENDED")
+
+
+@dataclass
+class Stage:
+    name: str  # STAGE, or STAGE.VARIANT
+    module: str
+    args: list[str]
+    after: list[str]  # the names of the stages it needs
+    launcher: dict[str, Any] = field(default_factory=dict)
+    variant: str = ""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", self.module, *self.args]
+
+
+@dataclass
+class Pipeline:
+    dump_dir: Path
+    stages: list[Stage]  # in an order where every stage comes after those it needs
+    variants: dict[str, dict[str, Any]]
+    paths: dict[str, str]
+    source: str
+
+    def record(self) -> dict[str, Any]:
+        return {"source": self.source, "dump_dir": str(self.dump_dir), "paths": self.paths, "variants": self.variants,
+                "stages": [dataclasses.asdict(stage) for stage in self.stages]}
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+
+def load_pipeline(path: str, paths: dict[str, str] | None = None) -> Pipeline:
+    """The pipeline of a file, its stages expanded per variant, checked, and ordered by their dependencies."""
+    spec = _read_yaml(path)
+    unknown = sorted(set(spec) - {"dump_dir", "paths", "variants", "launcher", "stages"})
+    if unknown:
+        raise UserError(f"pipeline {path}: unknown key '{unknown[0]}'")
+    if not spec.get("dump_dir") or not spec.get("stages"):
+        raise UserError(f"pipeline {path} needs a dump_dir and stages")
+    given = {**(spec.get("paths") or {}), **(paths or {})}
+    extra = sorted(set(paths or {}) - set(spec.get("paths") or {}) - {"dump_dir"})
+    if extra:
+        raise UserError(f"pipeline {path} has no path '{extra[0]}' (its paths: "
+                        f"{', '.join(['dump_dir', *(spec.get('paths') or {})])})")
+    resolved = {name: str(Path(str(value)).expanduser().resolve()) for name, value in given.items()}
+    dump_dir = Path(resolved.pop("dump_dir", spec["dump_dir"])).expanduser().resolve()
+    variants = spec.get("variants") or {}
+    stages = _expand(path, spec["stages"], variants, {**resolved, "dir": str(dump_dir)}, spec.get("launcher") or {})
+    return Pipeline(dump_dir, _ordered(path, stages), variants, resolved, str(Path(path).resolve()))
+
+
+def _expand(path: str, specs: dict, variants: dict, names: dict[str, str], launcher: dict) -> list[Stage]:
+    keys = {"variant", *(key for fields in variants.values() for key in fields)}
+    per_variant = {name for name, s in specs.items()
+                   if any(f"{{{key}}}" in str((s or {}).get("run", "")) for key in keys)}
+    stages = []
+    for name, stage_spec in specs.items():
+        stage_spec = stage_spec or {}
+        unknown = sorted(set(stage_spec) - {"run", "after", "launcher"})
+        if unknown or not stage_spec.get("run"):
+            raise UserError(f"pipeline {path}: stage {name} " + (f"has an unknown key '{unknown[0]}'" if unknown
+                                                                   else "has no run (a module and its arguments)"))
+        missing = [need for need in stage_spec.get("after") or [] if need.split(".")[0] not in specs]
+        if missing:
+            raise UserError(f"pipeline {path}: stage {name} comes after '{missing[0]}', which is not a stage")
+        for variant in (variants if name in per_variant else [""]):
+            values = {**names, **({"variant": variant, **variants[variant]} if variant else {})}
+            try:
+                module, *args = shlex.split(stage_spec["run"].format_map(values))
+                launch = {key: value.format_map(values) if isinstance(value, str) else value
+                          for key, value in {**launcher, **(stage_spec.get("launcher") or {})}.items()}
+            except KeyError as e:
+                where = f"variant {variant}" if variant else "the pipeline's paths"
+                raise UserError(f"pipeline {path}: stage {name} uses {{{e.args[0]}}}, which {where} does not "
+                                "define") from None
+            after = _needs(stage_spec.get("after") or [], variant, per_variant, variants)
+            stages.append(Stage(f"{name}.{variant}" if variant else name, module, args, after, launch, variant))
+    return stages
+
+
+def _needs(after: list[str], variant: str, per_variant: set[str], variants: dict) -> list[str]:
+    """The stages named by `after`: a per-variant stage is the same variant's, or every variant's from a stage
+    run once; STAGE.VARIANT names one."""
+    needs = []
+    for need in after:
+        if "." in need or need not in per_variant:
+            needs.append(need)
+        else:
+            needs += [f"{need}.{variant}"] if variant else [f"{need}.{v}" for v in variants]
+    return needs
+
+
+def _ordered(path: str, stages: list[Stage]) -> list[Stage]:
+    """The stages in the file's order, each moved after the stages it needs; a cycle is refused."""
+    by_name = {stage.name: stage for stage in stages}
+    unknown = [(s.name, need) for s in stages for need in s.after if need not in by_name]
+    if unknown:
+        raise UserError(f"pipeline {path}: stage {unknown[0][0]} comes after {unknown[0][1]}, which is not a stage")
+    ordered: list[Stage] = []
+    visiting: set[str] = set()
+
+    def visit(stage: Stage) -> None:
+        if stage in ordered:
+            return
+        if stage.name in visiting:
+            raise UserError(f"pipeline {path}: stage {stage.name} depends on itself (through its after)")
+        visiting.add(stage.name)
+        for need in stage.after:
+            visit(by_name[need])
+        ordered.append(stage)
+
+    for stage in stages:
+        visit(stage)
+    return ordered
+
+
+# ------------------------------------------------------------------------------------------------ one stage
+
+
+def stage_dir(dump_dir: Path, name: str) -> Path:
+    return dump_dir / "stages" / name
+
+
+def run_stage(folder: str, command: list[str], cwd: str) -> str:
+    """Runs a stage's command with its output in folder/log.txt (a SLURM task other than the first: its own log)
+    and, from the first task, records the outcome: done.json on exit 0, failed.json with the log's last line
+    otherwise. A stop signal is passed on to the command; a stage that got one is not done. Returns "done",
+    "failed" or "stopped"."""
+    folder_path, rank = Path(folder), int(os.environ.get("SLURM_PROCID", "0"))
+    folder_path.mkdir(parents=True, exist_ok=True)
+    log = folder_path / ("log.txt" if rank == 0 else f"log.task{rank}.txt")
+    if rank == 0:
+        (folder_path / "failed.json").unlink(missing_ok=True)
+    received: list[int] = []
+    start = time.time()
+    with open(log, "ab") as out:
+        out.write(f"$ {shlex.join(command)}\n".encode())
+        out.flush()
+        process = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        if rank == 0:  # the command's process group outlives a runner killed with SIGKILL: it is recorded too
+            atomic_write(folder_path / "started.json", json.dumps({"pid": os.getpid(), "group": process.pid,
+                                                                   "time": time.time()}))
+
+        def forward(signum, frame):
+            received.append(signum)
+            process.send_signal(signum)
+
+        previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
+        try:
+            code = process.wait()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            _stop(process)
+            if rank == 0:
+                (folder_path / "started.json").unlink(missing_ok=True)
+    if received:
+        return "stopped"  # neither done nor failed: the next run of the pipeline runs it again
+    outcome = "done" if code == 0 else "failed"
+    if rank == 0 and outcome == "done":
+        atomic_write(folder_path / "done.json", json.dumps({"seconds": time.time() - start}))
+    elif rank == 0:
+        atomic_write(folder_path / "failed.json", json.dumps({"code": code, "reason": last_line(log)}))
+    return outcome
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """The command's whole process group (it may have started workers): asked to stop, then killed."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            process.poll()  # reaps the leader
+            if not _group_running(process.pid):
+                return
+            time.sleep(0.2)
+
+
+def _group_running(group: int) -> bool:
+    """Whether a process of the group runs; a zombie does not (in a container nothing may ever reap one)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return _exists(os.killpg, group)
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError):
+            continue
+        if int(pgrp) == group and state != "Z":
+            return True
+    return False
+
+
+def last_line(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def state_of(dump_dir: Path, stage: Stage, states: dict[str, str]) -> str:
+    """done | failed | blocked (a stage it needs failed) | running | submitted (queued on SLURM) | pending, from the
+    stage's record; `states` holds those of the stages before it."""
+    folder = stage_dir(dump_dir, stage.name)
+    if (folder / "done.json").exists():
+        return "done"
+    if (folder / "failed.json").exists():
+        return "failed"
+    if any(states.get(need) in ("failed", "blocked") for need in stage.after):
+        return "blocked"
+    if (folder / "job.json").exists():
+        if not _slurm_job_active(folder):
+            return "pending"  # its job ended without an outcome (killed, timed out): it runs again
+        return "running" if (folder / "started.json").exists() else "submitted"
+    return "running" if _alive(folder / "started.json") else "pending"
+
+
+def _alive(started: Path) -> bool:
+    """Whether the process that runs the stage on this machine, or its command's process group, still runs."""
+    try:
+        record = json.loads(started.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    return _exists(os.kill, record["pid"]) or _group_running(record["group"])
+
+
+def _exists(kill, target: int) -> bool:
+    try:
+        kill(target, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's
+    return True
+
+
+def _slurm_job_active(folder: Path) -> bool:
+    import submitit
+
+    job = json.loads((folder / "job.json").read_text())
+    return submitit.SlurmJob(job["folder"], job["job_id"]).state in ACTIVE_SLURM_STATES
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+def launch(pipeline: Pipeline, launcher_argv: list[str]) -> None:
+    """Runs (local) or submits (slurm) the stages not done; `launcher_argv`: stool's keys from the command line."""
+    args = load_config(stool.LauncherArgs, launcher_argv)
+    if args.dry_run:
+        print(format_plan(pipeline, launcher_argv))
+        return
+    pipeline.dump_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(pipeline.dump_dir / "pipeline.json", json.dumps(pipeline.record(), indent=1))
+    stool.snapshot_code(pipeline.dump_dir / "code")
+    if args.cluster == "local":
+        run_local(pipeline)
+    else:
+        submit_slurm(pipeline, launcher_argv)
+
+
+def run_local(pipeline: Pipeline) -> None:
+    """The stages in order, on this machine; a failed stage's dependents are not started, the others are."""
+    states: dict[str, str] = {}
+    for stage in pipeline.stages:
+        state = state_of(pipeline.dump_dir, stage, states)
+        if state == "failed":
+            state = "pending"  # run again
+        if state == "running":
+            group = json.loads((stage_dir(pipeline.dump_dir, stage.name) / "started.json").read_text())["group"]
+            raise UserError(f"stage {stage.name} is still running (process group {group}): wait for it, or stop it "
+                            f"(kill -- -{group})")
+        if state == "pending":
+            folder = stage_dir(pipeline.dump_dir, stage.name)
+            print(f"[{time.strftime('%H:%M:%S')}] {stage.name}: started, log {folder / 'log.txt'}", flush=True)
+            if run_stage(str(folder), stage.command(), str(pipeline.dump_dir / "code")) == "stopped":
+                raise UserError(f"stopped during {stage.name}: the same command goes on from there")
+            state = state_of(pipeline.dump_dir, stage, states)
+        states[stage.name] = state
+        print(f"[{time.strftime('%H:%M:%S')}] {stage.name}: {_describe(pipeline.dump_dir, stage, state)}", flush=True)
+    failed = [name for name, state in states.items() if state == "failed"]
+    if failed:
+        blocked = [name for name, state in states.items() if state == "blocked"]
+        raise UserError(f"{len(failed)} stage(s) failed: " + "; ".join(
+            f"{name} (log {stage_dir(pipeline.dump_dir, name) / 'log.txt'})" for name in failed)
+            + (f"; not started: {', '.join(blocked)}" if blocked else ""))
+
+
+def submit_slurm(pipeline: Pipeline, launcher_argv: list[str]) -> None:
+    """One job per stage not done, each depending on the jobs of the stages it needs (afterok); SLURM cancels the
+    dependents of a failed one. Stages already queued or running keep their jobs."""
+    job_ids: dict[str, str] = {}
+    for stage in pipeline.stages:
+        state = state_of(pipeline.dump_dir, stage, {})
+        folder = stage_dir(pipeline.dump_dir, stage.name)
+        if state == "done":
+            continue
+        if state in ("submitted", "running") and (folder / "job.json").exists():
+            job_ids[stage.name] = json.loads((folder / "job.json").read_text())["job_id"]
+            print(f"{stage.name}: job {job_ids[stage.name]} already {state}")
+            continue
+        waits = [job_ids[need] for need in stage.after if need in job_ids]
+        executor = stool.executor_for(stage_launcher(launcher_argv, stage), pipeline.dump_dir / "submitit")
+        extra = {"kill-on-invalid-dep": "yes", **({"dependency": "afterok:" + ":".join(waits)} if waits else {})}
+        executor.update_parameters(slurm_job_name=stage.name, slurm_additional_parameters=extra)
+        folder.mkdir(parents=True, exist_ok=True)
+        job = executor.submit(run_stage, str(folder), stage.command(), str(pipeline.dump_dir / "code"))
+        job_ids[stage.name] = str(job.job_id)
+        atomic_write(folder / "job.json", json.dumps({"job_id": str(job.job_id), "folder": str(job.paths.folder)}))
+        print(f"{stage.name}: submitted job {job.job_id}" + (f", after {', '.join(waits)}" if waits else ""))
+    print(f"python -m lingua.stool status {pipeline.dump_dir} follows them")
+
+
+def stage_launcher(launcher_argv: list[str], stage: Stage) -> stool.LauncherArgs:
+    """A stage's launcher: its own keys over the file's, the command line's over both (as in stool's sweeps)."""
+    return load_config(stool.LauncherArgs, launcher_argv, base=stage.launcher)
+
+
+# ------------------------------------------------------------------------------------------------ views
+
+
+def _describe(dump_dir: Path, stage: Stage, state: str) -> str:
+    folder = stage_dir(dump_dir, stage.name)
+    if state == "done":
+        seconds = json.loads((folder / "done.json").read_text())["seconds"]
+        return f"done ({seconds / 60:.1f} min)"
+    if state == "failed":
+        failure = json.loads((folder / "failed.json").read_text())
+        return f"failed (exit {failure['code']}: {failure['reason']}); log {folder / 'log.txt'}"
+    if state == "blocked":
+        return "not started: a stage it needs failed"
+    return state
+
+
+def format_plan(pipeline: Pipeline, launcher_argv: list[str]) -> str:
+    lines, states = [], {}
+    for stage in pipeline.stages:
+        states[stage.name] = state = state_of(pipeline.dump_dir, stage, states)
+        launcher = stage_launcher(launcher_argv, stage)
+        where = (f"slurm: {launcher.nodes} node(s) x {launcher.gpus_per_node} GPU(s), {launcher.time} min"
+                 if launcher.cluster == "slurm" else "local")
+        after = f", after {', '.join(stage.after)}" if stage.after else ""
+        lines.append(f"{stage.name} [{state}] ({where}{after}): python -m {stage.module} {shlex.join(stage.args)}")
+    return "\n".join(lines + [f"dry run: {len(pipeline.stages)} stage(s), nothing started"])
+
+
+def format_status(dump_dir: Path) -> str:
+    record = json.loads((dump_dir / "pipeline.json").read_text())
+    stages = [Stage(**stage) for stage in record["stages"]]
+    width = max(len("stage"), *(len(stage.name) for stage in stages))
+    lines, states = [f"{'stage'.ljust(width)}  state"], {}
+    for stage in stages:
+        states[stage.name] = state = state_of(dump_dir, stage, states)
+        lines.append(f"{stage.name.ljust(width)}  {_describe(dump_dir, stage, state)}")
+    done = sum(state == "done" for state in states.values())
+    return "\n".join(lines + [f"{done} of {len(stages)} stage(s) done"])
+
+
+def pipeline_command(argv: list[str]) -> None:
+    mine, extra = stool.split_arguments(argv)
+    args = load_config(stool.LauncherArgs, mine)
+    if not args.pipeline:
+        raise UserError("pipeline needs pipeline=FILE.yaml")
+    bad = [arg for arg in extra if "=" not in arg]
+    if bad:
+        raise UserError(f"expected NAME=PATH (one of the pipeline's paths, or dump_dir), got '{bad[0]}'")
+    launch(load_pipeline(args.pipeline, dict(arg.split("=", 1) for arg in extra)), mine)

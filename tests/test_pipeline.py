@@ -1,0 +1,286 @@
+"""Pipelines (lingua/pipeline.py): stages expanded per variant and ordered by their needs, run on `local` (skipping
+the finished ones, naming a failed one with its log and leaving its dependents, resuming after a kill), submitted
+to SLURM as jobs chained by dependencies (a fake sbatch), and the Table 3 pipeline end to end on the debug models
+with offline data made here."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, end, run_to_the_end, start, tagged_processes
+
+from lingua.args import UserError
+from lingua.pipeline import load_pipeline
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def pipeline_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lingua.stool", "pipeline", *args]
+
+
+def commands_run(stage_folder: Path) -> int:
+    """How many times the stage's command was started (each start writes its command line to the log)."""
+    return sum(line.startswith("$ ") for line in (stage_folder / "log.txt").read_text().splitlines())
+
+
+@pytest.fixture
+def toy(tmp_path) -> Path:
+    """Two variants; `second` needs the same variant's `first`; `check` reads a JSON file given as a path; `table`
+    needs every variant's `second` and `check`; `free` needs nothing."""
+    return write(tmp_path / "toy.yaml", f"""\
+        dump_dir: {tmp_path / "out"}
+        paths: {{input: {tmp_path / "missing.json"}}}
+        variants:
+          a: {{word: alpha, gpus: 2}}
+          b: {{word: beta, gpus: 4}}
+        launcher: {{time: 30}}
+        stages:
+          first:
+            run: zipfile -c {{dir}}/{{variant}}.zip {REPO / "README.md"}
+            launcher: {{gpus_per_node: "{{gpus}}"}}
+          second:
+            after: [first]
+            run: timeit -n 1 "print('{{word}}')"
+          check:
+            after: [first.a]
+            run: json.tool {{input}}
+          table:
+            after: [second, check]
+            run: zipfile -l {{dir}}/a.zip
+          free:
+            run: timeit -n 1 pass
+        """)
+
+
+def test_stages_expand_per_variant_in_the_order_of_their_needs(toy, tmp_path):
+    pipeline = load_pipeline(str(toy))
+    names = [stage.name for stage in pipeline.stages]
+    assert names == ["first.a", "first.b", "second.a", "second.b", "check", "table", "free"]
+    stages = {stage.name: stage for stage in pipeline.stages}
+    assert stages["second.b"].after == ["first.b"] and stages["check"].after == ["first.a"]
+    assert stages["table"].after == ["second.a", "second.b", "check"]
+    assert stages["second.a"].args == ["-n", "1", "print('alpha')"]
+    assert stages["first.b"].launcher == {"time": 30, "gpus_per_node": "4"}
+    assert stages["check"].args == [str(tmp_path / "missing.json")]
+    assert load_pipeline(str(toy), {"input": "x.json"}).stages[4].args == [str(Path("x.json").resolve())]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"colour": "red"}, "unknown key 'colour'"),
+    ({"stages": {"one": {"run": "json.tool x", "after": ["nothing"]}}}, "comes after 'nothing', which is not a stage"),
+    ({"stages": {"one": {"run": "json.tool x", "after": ["two"]}, "two": {"run": "json.tool y", "after": ["one"]}}},
+     "depends on itself"),
+    ({"stages": {"one": {"run": "json.tool {nowhere}"}}}, "uses {nowhere}, which the pipeline's paths does not define"),
+    ({"stages": {"one": {"after": []}}}, "stage one has no run"),
+])
+def test_bad_pipelines_are_refused_in_one_line(tmp_path, change, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"dump_dir": str(tmp_path / "out"), "stages": {"one": {"run": "json.tool x"}},
+                                    **change}))
+    with pytest.raises(UserError, match=message.replace("{", r"\{").replace("(", r"\(")):
+        load_pipeline(str(path))
+
+
+def test_a_path_the_pipeline_does_not_have_is_refused(toy):
+    with pytest.raises(UserError, match=r"has no path 'colour' \(its paths: dump_dir, input\)"):
+        load_pipeline(str(toy), {"colour": "red"})
+
+
+def test_a_failed_stage_is_named_with_its_log_its_dependents_wait_and_a_rerun_finishes(toy, tmp_path):
+    out = tmp_path / "out"
+    failed = run_to_the_end(pipeline_command(f"pipeline={toy}", "cluster=local"))
+    assert failed.returncode == 2
+    assert f"1 stage(s) failed: check (log {out / 'stages' / 'check' / 'log.txt'}); not started: table" in failed.stderr
+    assert "check: failed (exit 2: " in failed.stdout and "table: not started: a stage it needs failed" in failed.stdout
+    assert "free: done" in failed.stdout and not (out / "stages" / "table").exists()
+    status = run_to_the_end([sys.executable, "-m", "lingua.stool", "status", str(out)])
+    assert "check     failed" in status.stdout and "table     not started" in status.stdout
+    assert "5 of 7 stage(s) done" in status.stdout
+
+    (tmp_path / "present.json").write_text('{"ok": true}')
+    rerun = run_to_the_end(pipeline_command(f"pipeline={toy}", "cluster=local", f"input={tmp_path / 'present.json'}"))
+    assert rerun.returncode == 0, rerun.stderr
+    assert "first.a: done" in rerun.stdout and "first.a: started" not in rerun.stdout
+    for stage, starts in {"first.a": 1, "second.b": 1, "free": 1, "check": 2, "table": 1}.items():
+        assert commands_run(out / "stages" / stage) == starts, stage
+    assert "README.md" in (out / "stages" / "table" / "log.txt").read_text()
+
+
+def slow_pipeline(tmp_path: Path) -> Path:
+    """`slow` sleeps until a flag file exists; `last` needs it."""
+    return write(tmp_path / "slow.yaml", f"""\
+        dump_dir: {tmp_path / "out"}
+        paths: {{flag: {tmp_path / "flag"}}}
+        stages:
+          first:
+            run: timeit -n 1 pass
+          slow:
+            after: [first]
+            run: timeit -n 1 "import os, time; [time.sleep(0.1) for _ in range(600) if not os.path.exists('{{flag}}')]"
+          last:
+            after: [slow]
+            run: timeit -n 1 pass
+        """)
+
+
+def wait_for(path: Path, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while not path.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert path.exists(), path
+
+
+def test_a_stopped_pipeline_stops_its_stage_and_the_same_command_goes_on(tmp_path):
+    spec, stages = slow_pipeline(tmp_path), tmp_path / "out" / "stages"
+    proc = start(pipeline_command(f"pipeline={spec}", "cluster=local"), stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE)
+    try:
+        wait_for(stages / "slow" / "started.json")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        left = tagged_processes(proc.tag)
+    finally:
+        end(proc)
+    assert proc.returncode == 2 and "stopped during slow: the same command goes on from there" in err, err
+    assert left == [] and not (stages / "slow" / "done.json").exists()
+    (tmp_path / "flag").touch()
+    rerun = run_to_the_end(pipeline_command(f"pipeline={spec}", "cluster=local"))
+    assert rerun.returncode == 0, rerun.stderr
+    assert [commands_run(stages / name) for name in ("first", "slow", "last")] == [1, 2, 1]
+
+
+def test_a_killed_pipeline_is_resumed_once_its_orphaned_stage_is_gone(tmp_path):
+    """SIGKILL leaves the stage's command running in its own process group: a rerun refuses to start it twice."""
+    spec, stages = slow_pipeline(tmp_path), tmp_path / "out" / "stages"
+    proc = start(pipeline_command(f"pipeline={spec}", "cluster=local"), stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
+    try:
+        wait_for(stages / "slow" / "started.json")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        group = json.loads((stages / "slow" / "started.json").read_text())["group"]
+        refused = run_to_the_end(pipeline_command(f"pipeline={spec}", "cluster=local"))
+        assert refused.returncode == 2
+        assert f"stage slow is still running (process group {group})" in refused.stderr, refused.stderr
+    finally:
+        end(proc)  # the orphaned stage too: it carries the test's tag
+    (tmp_path / "flag").touch()
+    rerun = run_to_the_end(pipeline_command(f"pipeline={spec}", "cluster=local"))
+    assert rerun.returncode == 0, rerun.stderr
+    assert [commands_run(stages / name) for name in ("first", "slow", "last")] == [1, 2, 1]
+
+
+def fake_slurm(bin_dir: Path) -> dict:
+    """sbatch that numbers the jobs from 100 and keeps each script; sacct that says every job runs; srun present."""
+    bin_dir.mkdir()
+    write(bin_dir / "sbatch", f"""\
+        #!/bin/sh
+        n=$(( $(cat {bin_dir}/count 2>/dev/null || echo 99) + 1 )); echo $n > {bin_dir}/count
+        cp "$1" {bin_dir}/job$n.sh; echo "Submitted batch job $n"
+        """)
+    write(bin_dir / "sacct", """\
+        #!/bin/sh
+        echo "JobID|State|NodeList"
+        while [ $# -gt 0 ]; do [ "$1" = -j ] && echo "$2|RUNNING|node1"; shift; done
+        """)
+    write(bin_dir / "srun", "#!/bin/sh\nexit 0\n")
+    for name in ("sbatch", "sacct", "srun"):
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_slurm_jobs_wait_for_the_stages_they_need_and_a_rerun_keeps_them(toy, tmp_path):
+    env, bin_dir = fake_slurm(tmp_path / "bin"), tmp_path / "bin"
+    dry = run_to_the_end(pipeline_command(f"pipeline={toy}", "cluster=slurm", "--dry-run"), env=env)
+    assert "second.a [pending] (slurm: 1 node(s) x 8 GPU(s), 30 min, after first.a)" in dry.stdout, dry.stdout
+    assert "first.b [pending] (slurm: 1 node(s) x 4 GPU(s), 30 min)" in dry.stdout
+    assert not (tmp_path / "out").exists()
+
+    submitted = run_to_the_end(pipeline_command(f"pipeline={toy}", "cluster=slurm", "partition=learn"), env=env)
+    assert submitted.returncode == 0, submitted.stderr
+    jobs = {stage: json.loads((tmp_path / "out" / "stages" / stage / "job.json").read_text())["job_id"]
+            for stage in ("first.a", "first.b", "second.a", "second.b", "check", "table", "free")}
+    assert list(jobs.values()) == [str(n) for n in range(100, 107)]  # in the order of their needs
+    scripts = {stage: (bin_dir / f"job{job}.sh").read_text() for stage, job in jobs.items()}
+    assert "#SBATCH --dependency=afterok:100" in scripts["second.a"]
+    assert "#SBATCH --dependency=afterok:102:103:104" in scripts["table"]
+    assert "--dependency" not in scripts["first.a"] and "--dependency" not in scripts["free"]
+    assert all("#SBATCH --kill-on-invalid-dep=yes" in script for script in scripts.values())
+    assert "#SBATCH --gpus-per-node=2" in scripts["first.a"] and "#SBATCH --gpus-per-node=4" in scripts["first.b"]
+    assert all("#SBATCH --partition=learn" in script for script in scripts.values())
+
+    again = run_to_the_end(pipeline_command(f"pipeline={toy}", "cluster=slurm"), env=env)
+    assert again.returncode == 0 and "first.a: job 100 already submitted" in again.stdout, again.stdout
+    assert (bin_dir / "count").read_text().strip() == "106"  # nothing submitted twice
+
+
+def offline_data(root: Path) -> Path:
+    """The layout of ../shared/data, small: the GLUE fixtures, a BEIR folder and an STS Benchmark test file."""
+    import shutil
+
+    shutil.copytree(REPO / "tests" / "fixtures" / "glue", root / "glue")
+    beir = root / "retrieval" / "scifact"
+    (beir / "qrels").mkdir(parents=True)
+    topics = ["cats sleep on warm mats", "rivers flow into the sea", "chess openings and endgames",
+              "birds migrate south in winter", "volcanoes erupt molten rock", "bees make honey from nectar"]
+    docs = [{"_id": f"d{i}", "title": f"Doc {i}", "text": f"{topic}, as studies show"} for i, topic in
+            enumerate(topics * 3)]
+    (beir / "corpus.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    queries = [{"_id": f"q{i}", "text": f"do {topics[i % 6]}?"} for i in range(12)]
+    (beir / "queries.jsonl").write_text("\n".join(json.dumps(q) for q in queries) + "\n")
+    for split, ids in (("train", range(0, 8)), ("test", range(8, 12))):
+        rows = [f"q{i}\td{i % 6}\t1" for i in ids]
+        (beir / "qrels" / f"{split}.tsv").write_text("query-id\tcorpus-id\tscore\n" + "\n".join(rows) + "\n")
+    sts = root / "retrieval" / "sts"
+    sts.mkdir(parents=True)
+    pairs = [(a, b, float(5 - i % 6)) for i, (a, b) in enumerate(zip(topics * 2, topics[1:] + topics))]
+    (sts / "sts-test.csv").write_text("".join(f"main-captions\tMSRvid\t2012test\t{i:04d}\t{s:.3f}\t{a}\t{b}\n"
+                                              for i, (a, b, s) in enumerate(pairs)))
+    return root
+
+
+def test_table3_debug_pipeline_end_to_end_on_offline_data(tmp_path, corpus):
+    """docs/pipelines/table3_debug.yaml, its stages shortened (fewer steps, examples and tasks), for BERT and
+    CrossBERT on the tiny corpus: every stage runs and the Table 3 file has every section filled."""
+    pytest.importorskip("mteb")
+    spec = yaml.safe_load((REPO / "docs" / "pipelines" / "table3_debug.yaml").read_text())
+    spec["dump_dir"] = str(tmp_path / "table3")
+    spec["variants"].pop("electra")
+    short = {
+        "pretrain": "steps=12 'data.sources={{tiny: 1.0}}' data.tokenizer.name=bytes data.seq_len=32 "
+                    "model.encoder.dim=32 model.encoder.n_layers=2 model.encoder.n_heads=2 model.encoder.max_seqlen=32 "
+                    "validation.every=12 validation.n_sequences=4 checkpoint.every=12 logging.freq=4",
+        "probes": "tasks=rte,stsb max_train=40",
+        "finetune": "tasks=rte run_overrides=data.max_train=32,data.seq_len=32,data.batch_size=8 epochs=1",
+        "contrastive_frozen": "steps=3 data.seq_len=32 data.batch_size=4 checkpoint.every=3",
+        "contrastive_full": "steps=3 data.seq_len=32 data.batch_size=4 checkpoint.every=3",
+        "mteb_frozen": "tasks=STSBOffline,SciFactOffline batch_size=16",
+        "mteb_full": "tasks=STSBOffline,SciFactOffline batch_size=16",
+    }
+    for stage, extra in short.items():
+        spec["stages"][stage]["run"] += " " + extra
+    path = tmp_path / "table3_debug.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    data = offline_data(tmp_path / "shared")
+    result = run_to_the_end(pipeline_command(f"pipeline={path}", "cluster=local", f"data={data}", f"corpus={corpus}"),
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = (tmp_path / "table3" / "table3.md").read_text()
+    for title in ("GLUE, full fine-tuning", "GLUE, linear probe", "GLUE, kNN probe",
+                  "offline stand-ins, contrastive fine-tuning, whole model",
+                  "offline stand-ins, contrastive fine-tuning, over frozen features"):
+        assert f"**{title}" in table, title
+    rows = [line for line in table.splitlines() if line.startswith("| bert ") or line.startswith("| crossbert ")]
+    assert len(rows) == 2 * 5 and all("–" not in row for row in rows), table  # every cell of ours filled
+    assert "| *crossbert, paper* | 279M | 4.1e19 | 207k | 85.1 |" in table  # RTE beside ours, fine-tuning
