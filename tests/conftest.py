@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny JSONL corpus in the training layout and tiny training configs."""
+"""Shared fixtures: a tiny JSONL corpus in the training layout, tiny training configs, a small copy of the offline
+evaluation data's layout, and helpers that run commands and clean up every process they start."""
 
 import contextlib
 import importlib.util
@@ -6,6 +7,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -169,3 +171,26 @@ def kill_after_first_checkpoint_then_restart(module: str, argv: list[str], dump_
         end(proc)
     done = run_to_the_end(cmd, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def offline_data(root: Path) -> Path:
+    """The layout of ../shared/data, small: the GLUE fixtures, a BEIR folder and an STS Benchmark test file."""
+    shutil.copytree(REPO / "tests" / "fixtures" / "glue", root / "glue")
+    beir = root / "retrieval" / "scifact"
+    (beir / "qrels").mkdir(parents=True)
+    topics = ["cats sleep on warm mats", "rivers flow into the sea", "chess openings and endgames",
+              "birds migrate south in winter", "volcanoes erupt molten rock", "bees make honey from nectar"]
+    docs = [{"_id": f"d{i}", "title": f"Doc {i}", "text": f"{topic}, as studies show"} for i, topic in
+            enumerate(topics * 3)]
+    (beir / "corpus.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    queries = [{"_id": f"q{i}", "text": f"do {topics[i % 6]}?"} for i in range(12)]
+    (beir / "queries.jsonl").write_text("\n".join(json.dumps(q) for q in queries) + "\n")
+    for split, ids in (("train", range(0, 8)), ("test", range(8, 12))):
+        rows = [f"q{i}\td{i % 6}\t1" for i in ids]
+        (beir / "qrels" / f"{split}.tsv").write_text("query-id\tcorpus-id\tscore\n" + "\n".join(rows) + "\n")
+    sts = root / "retrieval" / "sts"
+    sts.mkdir(parents=True)
+    pairs = [(a, b, float(5 - i % 6)) for i, (a, b) in enumerate(zip(topics * 2, topics[1:] + topics))]
+    (sts / "sts-test.csv").write_text("".join(f"main-captions\tMSRvid\t2012test\t{i:04d}\t{s:.3f}\t{a}\t{b}\n"
+                                              for i, (a, b, s) in enumerate(pairs)))
+    return root

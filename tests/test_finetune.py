@@ -64,6 +64,17 @@ def test_labels_travel_exactly_in_a_long_row():
     assert torch.equal(decode_labels(label_codes(classes), regression=False), classes)
 
 
+def test_max_train_keeps_one_fixed_subset_of_the_training_split():
+    from apps.finetune.data import read_split
+
+    args = GlueDataArgs(path=str(FIXTURES), task="rte", max_train=5)
+    full, first, again = (read_split(GlueDataArgs(path=str(FIXTURES), task="rte"), "train"), read_split(args, "train"),
+                          read_split(args, "train"))
+    assert len(first.texts) == 5 and first.texts == again.texts and set(first.texts) < set(full.texts)
+    assert len(read_split(args, "dev").texts) == len(read_split(GlueDataArgs(path=str(FIXTURES), task="rte"),
+                                                                "dev").texts)  # the dev split stays whole
+
+
 def test_batches_are_padded_to_their_longest_example_and_resume_on_other_world_sizes():
     args = GlueDataArgs(path=str(FIXTURES), task="sst2", seq_len=64, batch_size=2, seed=3,
                         tokenizer=TokenizerArgs(name="bytes"))

@@ -156,3 +156,41 @@ def test_unreachable_hub_is_a_one_line_error(tmp_path):
     assert done.stderr.splitlines() == [
         "error: cannot get the data of MTEB task STS12 from the Hugging Face Hub (Couldn't reach 'mteb/sts12-sts' on "
         "the Hub (OfflineModeIsEnabled)): MTEB needs network access, or the datasets already in the Hugging Face cache"]
+
+
+def test_offline_tasks_stand_for_each_type_and_score_through_mtebs_evaluation(tmp_path):
+    """The stand-ins built from local files (here a small copy of the shared data's layout, without SICK): one or
+    two per type of the paper's table but Summarization, scored by mteb; `names` picks among them."""
+    pytest.importorskip("mteb")
+    from lingua.eval.mteb import run_mteb, summarize
+    from lingua.eval.mteb_offline import offline_tasks
+    from tests.conftest import offline_data
+
+    data = offline_data(tmp_path / "shared")
+    tasks = offline_tasks(data)
+    assert [(t.metadata.name, t.metadata.type) for t in tasks] == [
+        ("SST2Offline", "Classification"), ("GlueSourceOffline", "Clustering"),
+        ("MRPCOffline", "PairClassification"), ("SciFactOffline", "Retrieval"),
+        ("SciFactRerankOffline", "Reranking"), ("STSBOffline", "STS")]
+    scores = run_mteb(HashedBagOfWords(), tasks, results_dir=tmp_path / "results", batch_size=16)
+    assert list(summarize(scores)) == ["Classification", "Clustering", "PairClassification", "Reranking",
+                                       "Retrieval", "STS", "Avg.", "Overall"]
+    # each query shares its words with its document (and two of the same words but another title): well above chance
+    assert scores["SciFactOffline"]["score"] > 50 and scores["SciFactRerankOffline"]["score"] > 50
+    assert [t.metadata.name for t in offline_tasks(data, ["STSBOffline"])] == ["STSBOffline"]
+
+
+def test_offline_tasks_name_what_is_missing(tmp_path):
+    pytest.importorskip("mteb")
+    from lingua.args import UserError
+    from lingua.eval.mteb_offline import offline_tasks
+
+    with pytest.raises(UserError, match="is not a folder"):
+        offline_tasks(tmp_path / "nowhere")
+    tmp_path.joinpath("empty").mkdir()
+    with pytest.raises(UserError, match="no task's files under"):
+        offline_tasks(tmp_path / "empty")
+    from tests.conftest import offline_data
+
+    with pytest.raises(UserError, match="offline MTEB task 'SICKROffline' is not among those built"):
+        offline_tasks(offline_data(tmp_path / "shared"), ["SICKROffline"])

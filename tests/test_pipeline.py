@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, end, run_to_the_end, start, tagged_processes
 
 from lingua.args import UserError
 from lingua.pipeline import load_pipeline
+from tests.conftest import REPO, end, offline_data, run_to_the_end, start, tagged_processes
 
 
 def write(path: Path, text: str) -> Path:
@@ -223,31 +223,6 @@ def test_slurm_jobs_wait_for_the_stages_they_need_and_a_rerun_keeps_them(toy, tm
     again = run_to_the_end(pipeline_command(f"pipeline={toy}", "cluster=slurm"), env=env)
     assert again.returncode == 0 and "first.a: job 100 already submitted" in again.stdout, again.stdout
     assert (bin_dir / "count").read_text().strip() == "106"  # nothing submitted twice
-
-
-def offline_data(root: Path) -> Path:
-    """The layout of ../shared/data, small: the GLUE fixtures, a BEIR folder and an STS Benchmark test file."""
-    import shutil
-
-    shutil.copytree(REPO / "tests" / "fixtures" / "glue", root / "glue")
-    beir = root / "retrieval" / "scifact"
-    (beir / "qrels").mkdir(parents=True)
-    topics = ["cats sleep on warm mats", "rivers flow into the sea", "chess openings and endgames",
-              "birds migrate south in winter", "volcanoes erupt molten rock", "bees make honey from nectar"]
-    docs = [{"_id": f"d{i}", "title": f"Doc {i}", "text": f"{topic}, as studies show"} for i, topic in
-            enumerate(topics * 3)]
-    (beir / "corpus.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n")
-    queries = [{"_id": f"q{i}", "text": f"do {topics[i % 6]}?"} for i in range(12)]
-    (beir / "queries.jsonl").write_text("\n".join(json.dumps(q) for q in queries) + "\n")
-    for split, ids in (("train", range(0, 8)), ("test", range(8, 12))):
-        rows = [f"q{i}\td{i % 6}\t1" for i in ids]
-        (beir / "qrels" / f"{split}.tsv").write_text("query-id\tcorpus-id\tscore\n" + "\n".join(rows) + "\n")
-    sts = root / "retrieval" / "sts"
-    sts.mkdir(parents=True)
-    pairs = [(a, b, float(5 - i % 6)) for i, (a, b) in enumerate(zip(topics * 2, topics[1:] + topics))]
-    (sts / "sts-test.csv").write_text("".join(f"main-captions\tMSRvid\t2012test\t{i:04d}\t{s:.3f}\t{a}\t{b}\n"
-                                              for i, (a, b, s) in enumerate(pairs)))
-    return root
 
 
 def test_table3_debug_pipeline_end_to_end_on_offline_data(tmp_path, corpus):

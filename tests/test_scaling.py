@@ -158,3 +158,20 @@ def test_commands_answer_help(capsys):
             scaling.main(command)
         assert exit_.value.code == 0
         assert "key=value" in capsys.readouterr().out
+
+
+def test_the_probes_plot_has_a_panel_per_benchmark_and_a_pattern_names_the_runs(tmp_path):
+    """Figure 1: GLUE and each MTEB benchmark filed with the runs (DUMP_DIR/mteb_eval), side by side."""
+    for app, offset in (("bert", 0.0), ("crossbert", 2.0)):
+        for compute in (1e14, 1e15):
+            run = tmp_path / "pipeline" / f"{app}_{compute:g}" / "pretrain"
+            fake_run(run, app, 64, 1e-3, 512, compute, [5.0, 4.0], probe=60 + offset)
+            (run / "mteb_eval" / "contrastive_frozen").mkdir(parents=True)
+            (run / "mteb_eval" / "contrastive_frozen" / "results.json").write_text(json.dumps(
+                {"args": {"benchmark": "MTEB(eng, v2)", "offline": ""}, "summary": {"Avg.": 50 + offset}}))
+    runs = scaling.run_dirs(f"{tmp_path}/pipeline/*/pretrain")
+    assert len(runs) == 4 and scaling.read_run(runs[-1])["mteb"] == {"MTEB(eng, v2)": 52.0}
+    out = tmp_path / "figure1.png"
+    scaling.main(["plot", "kind=probes", f"runs={tmp_path}/pipeline/*/pretrain", f"out={out}"])
+    width = int.from_bytes(out.read_bytes()[16:20], "big")  # the PNG header's width: 120 dpi x (1 + 5 per panel)
+    assert width == 120 * (1 + 5 * 2)

@@ -1,0 +1,113 @@
+"""apps.tables: the paper's tables from a pipeline's folder (made up here), ours beside the paper's numbers."""
+
+import json
+
+import pytest
+
+from apps import paper, tables
+from lingua.eval.glue import TASKS
+
+CATEGORIES = ("Classification", "Clustering", "PairClassification", "Reranking", "Retrieval", "STS",
+              "Summarization")
+
+
+def fake_pipeline(root, variants: dict, probes: dict | None = None, mteb: dict | None = None):
+    """DIR/pipeline.json and, per variant, a pre-training log and metrics, GLUE probe results and MTEB results
+    ({folder: (benchmark, summary)})."""
+    root.mkdir(parents=True)
+    (root / "pipeline.json").write_text(json.dumps({"variants": variants}))
+    for i, name in enumerate(variants):
+        run = root / name / "pretrain"
+        run.mkdir(parents=True)
+        (run / "train.log").write_text(f"10:00:00 I apps.bert.train: {1_000_000 * (i + 1):,} parameters (...)\n")
+        records = [{"step": s, "loss": 5.0, "compute_flops": 2e15 * s, "data_tokens_per_s": 1000.0 * (i + 1)}
+                   for s in (10, 20, 30)]
+        (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)))
+        if probes:
+            (root / name / "probes").mkdir()
+            (root / name / "probes" / "results.json").write_text(json.dumps(
+                {"summary": {"last": {"linear": {**probes[name], "avg": 0.0}}}}))
+        for folder, (benchmark, summary) in (mteb or {}).get(name, {}).items():
+            (root / name / folder).mkdir()
+            (root / name / folder / "results.json").write_text(json.dumps(
+                {"args": {"benchmark": benchmark, "offline": ""}, "summary": summary}))
+    return root
+
+
+def render(capsys, table: str, folder) -> list[str]:
+    tables.main([f"table={table}", f"dir={folder}"])
+    return capsys.readouterr().out.splitlines()
+
+
+def test_table3_puts_the_papers_rows_beside_ours_with_our_runs_cost(tmp_path, capsys):
+    scores = {task: 50.0 + i for i, task in enumerate(TASKS)}
+    summary = {**{c: 40.0 for c in CATEGORIES}, "Avg.": 40.0, "Overall": 41.0}
+    folder = fake_pipeline(tmp_path / "p", {"bert": {"app": "bert"}, "crossbert": {"app": "crossbert"}},
+                           probes={"bert": scores, "crossbert": scores},
+                           mteb={"crossbert": {"mteb_v1_frozen": ("MTEB(eng, v1)", summary)}})
+    lines = render(capsys, "3", folder)
+    linear = lines.index("**GLUE, linear probe on frozen features**")
+    assert lines[linear + 2] == ("| Model | Params | FLOPs | tps | MNLI | QNLI | QQP | RTE | SST2 | MRPC | CoLA | STSB "
+                                 "| Avg. |")
+    assert lines[linear + 4] == "| bert | 1.0M | 6.0e16 | 1.0k | " + " | ".join(
+        f"{50.0 + i:.1f}" for i in range(8)) + " | 53.5 |"
+    assert lines[linear + 7] == "| *crossbert, paper* | 279M | 4.1e19 | 207k | " + " | ".join(
+        f"{v:.1f}" for v in paper.GLUE_LINEAR["crossbert"]) + " |"
+    frozen = next(i for i, line in enumerate(lines) if line.startswith("**MTEB(eng, v1), contrastive fine-tuning, "
+                                                                       "over frozen features"))
+    assert lines[frozen + 4] == "| bert | 1.0M | 6.0e16 | 1.0k | " + " | ".join(["–"] * 9) + " |"  # not run
+    assert lines[frozen + 5].startswith("| crossbert | 2.0M | 6.0e16 | 2.0k | 40.0 | ")
+    assert lines[frozen + 7] == "| *crossbert, paper* | 279M | 4.1e19 | 207k | " + " | ".join(
+        f"{v:.1f}" for v in paper.MTEB[("MTEB(eng, v1)", "frozen")]["crossbert"]) + " |"
+    assert not any("fine-tuning (dev" in line for line in lines)  # no fine-tuning run: no section
+
+
+def test_fewer_tasks_are_averaged_alike_on_both_sides(tmp_path, capsys):
+    folder = fake_pipeline(tmp_path / "p", {"bert": {"app": "bert"}}, probes={"bert": {"rte": 60.0, "stsb": 80.0}},
+                           mteb={"bert": {"mteb_offline_full": ("MTEB(eng, v1)", {"STS": 70.0, "Retrieval": 30.0,
+                                                                                   "Avg.": 50.0, "Overall": 50.0})}})
+    lines = render(capsys, "3", folder)
+    assert "| Model | Params | FLOPs | tps | RTE | STSB | Avg. (2 of 8 tasks) |" in lines
+    assert "| *bert, paper* | 239M | 6.8e19 | 123k | 59.9 | 79.5 | 69.7 |" in lines  # (59.9 + 79.5) / 2
+    assert "| Model | Params | FLOPs | tps | Retriev. | STS | Avg. (2 of 7 types) | Overall |" in lines
+    assert "| *bert, paper* | 239M | 6.8e19 | 123k | 43.0 | 75.8 | 59.4 | – |" in lines
+
+
+@pytest.mark.parametrize("table, published, label", [
+    ("6", paper.BERT_MASK_RATIO, "mask %"),
+    ("5", paper.CMS, "CMS"),
+])
+def test_glue_ablations_print_the_papers_row_for_each_of_ours(tmp_path, capsys, table, published, label):
+    rows = list(published)
+    folder = fake_pipeline(tmp_path / "p", {f"v{row}": {"row": row} for row in rows},
+                           probes={f"v{row}": {task: 70.0 for task in TASKS} for row in rows})
+    lines = render(capsys, table, folder)
+    for row in rows:
+        assert f"| {label} {row} | " + " | ".join(["70.0"] * 9) + " |" in lines
+        assert f"| *{label} {row}, paper* | " + " | ".join(f"{v:.1f}" for v in published[row]) + " |" in lines
+
+
+def test_table2_averages_each_masking_ratio_beside_the_paper(tmp_path, capsys):
+    folder = fake_pipeline(tmp_path / "p", {"mask20": {"row": "20"}, "mask65": {"row": "65"}},
+                           probes={"mask20": {"rte": 70.0, "sst2": 80.0}, "mask65": {"rte": 60.0, "sst2": 70.0}})
+    lines = render(capsys, "2", folder)
+    assert "| Masking ratio (%) | 20 | 65 |" in lines
+    assert "| CrossBERT (Avg. over 2 tasks) | 75.0 | 65.0 |" in lines
+    assert "| *CrossBERT, paper (8 tasks)* | 73.8 | 72.4 |" in lines
+
+
+def test_table7_compares_the_cold_and_warm_pooler_on_mteb(tmp_path, capsys):
+    summary = {**{c: 50.0 for c in CATEGORIES}, "Avg.": 50.0, "Overall": 51.0}
+    folder = fake_pipeline(tmp_path / "p", {"cold": {"row": "cold"}, "warm": {"row": "warm"}},
+                           mteb={name: {"mteb_v2_frozen": ("MTEB(eng, v2)", summary)} for name in ("cold", "warm")})
+    lines = render(capsys, "7", folder)
+    assert "| warm | " + " | ".join(["50.0"] * 8) + " | 51.0 |" in lines
+    assert "| *warm, paper* | " + " | ".join(f"{v:.1f}" for v in paper.WARM_START["warm"]) + " |" in lines
+
+
+def test_a_folder_without_a_pipeline_and_an_unknown_table_are_one_line_errors(tmp_path, capsys):
+    for argv, message in ((["table=3", f"dir={tmp_path}"], "holds no pipeline (pipeline.json)"),
+                          (["table=9", f"dir={tmp_path}"], "must be one of 2, 3, 4, 5, 6, 7")):
+        with pytest.raises(SystemExit) as exit_:
+            tables.main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
