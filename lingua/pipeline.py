@@ -271,7 +271,8 @@ def _alive(started: Path) -> bool:
         record = json.loads(started.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return False
-    return _exists(os.kill, record["pid"]) or _group_running(record["group"])
+    pid, group = record.get("pid"), record.get("group")
+    return bool(pid and _exists(os.kill, pid) or group and _group_running(group))
 
 
 def _exists(kill, target: int) -> bool:

@@ -8,7 +8,8 @@
 
 A run gets one task per GPU (lingua/distributed.py reads srun's variables), the stop signal `signal_delay_s` before
 the time limit (the training loop saves a checkpoint and requeues the job, which resumes), its resolved config in
-`dump_dir/config.yaml` and a copy of the code (every file of the packages it imports) in `dump_dir/code`, where the
+`dump_dir/submitted.yaml` (the job reads it; the run writes the config it derives and trains with to config.yaml)
+and a copy of the code (every file of the packages it imports) in `dump_dir/code`, where the
 job runs: edits to the repository after submission do not reach it. `cluster=local` runs the same jobs through
 submitit's local executor, `parallel` at a time (stool waits for them).
 
@@ -207,12 +208,14 @@ def snapshot_code(destination: Path, source: Path | None = None) -> None:
 
 
 def prepare(run: PlannedRun) -> None:
-    """The run's dump_dir: its config and its code; refuses to overwrite a different config (nothing is lost)."""
+    """The run's dump_dir: the config stool resolved (submitted.yaml) and its code; refuses a config other than
+    the one submitted there before (nothing is lost). A run may derive its config.yaml from it (fine-tuning: its
+    steps from epochs), so submitting the same run again compares what was submitted, not what the run wrote."""
     run.dump_dir.mkdir(parents=True, exist_ok=True)
-    config_file = run.dump_dir / "config.yaml"
-    if config_file.exists() and yaml.safe_load(config_file.read_text()) != run.config:
-        raise UserError(f"{run.dump_dir} already holds a run with another config: use another dump_dir")
-    atomic_write(config_file, yaml.safe_dump(run.config, sort_keys=False))
+    submitted = run.dump_dir / "submitted.yaml"
+    if submitted.exists() and yaml.safe_load(submitted.read_text()) != run.config:
+        raise UserError(f"{run.dump_dir} already holds a run submitted with another config: use another dump_dir")
+    atomic_write(submitted, yaml.safe_dump(run.config, sort_keys=False))
     snapshot_code(run.dump_dir / "code")
 
 
@@ -300,7 +303,7 @@ def _cancelled_when_interrupted(jobs: list):
 
 def _submit_one(executor, run: PlannedRun):
     with contextlib.chdir(run.dump_dir / "code"):  # submitit's jobs start where they were submitted from
-        return executor.submit(train_job, run.script, str(run.dump_dir / "config.yaml"))
+        return executor.submit(train_job, run.script, str(run.dump_dir / "submitted.yaml"))
 
 
 def _record(run: PlannedRun, job) -> None:

@@ -259,3 +259,9 @@ def test_table3_debug_pipeline_end_to_end_on_offline_data(tmp_path, corpus):
     rows = [line for line in table.splitlines() if line.startswith("| bert ") or line.startswith("| crossbert ")]
     assert len(rows) == 2 * 5 and all("–" not in row for row in rows), table  # every cell of ours filled
     assert "| *crossbert, paper* | 279M | 4.1e19 | 207k | 85.1 |" in table  # RTE beside ours, fine-tuning
+
+    # a stage that did not record its end (killed) runs again: its sweep submits its finished run again, which goes on
+    (tmp_path / "table3" / "stages" / "finetune.bert" / "done.json").unlink()
+    again = run_to_the_end(pipeline_command(f"pipeline={path}", "cluster=local", f"data={data}", f"corpus={corpus}"))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "finetune.bert: started" in again.stdout and "pretrain.bert: started" not in again.stdout

@@ -194,3 +194,15 @@ def test_slurm_jobs_get_one_task_per_gpu_and_the_stop_signal_before_the_limit(tm
     for line in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--partition=learn", "--time=90",
                  "--signal=USR2@120", "--account=team"):
         assert f"#SBATCH {line}" in script, line
+
+
+def test_a_run_submitted_again_is_compared_with_what_was_submitted_not_what_it_derived(tmp_path):
+    """A fine-tuning run writes to config.yaml the steps it derives from its epochs: submitting the same run again
+    (a pipeline re-run) goes on, another config is refused."""
+    run = stool.PlannedRun("r", "apps.bert.train", tmp_path / "r", {"steps": 0, "epochs": 2}, {})
+    stool.prepare(run)
+    (run.dump_dir / "config.yaml").write_text(yaml.safe_dump({"steps": 124, "epochs": 2}))
+    stool.prepare(run)
+    assert yaml.safe_load((run.dump_dir / "submitted.yaml").read_text()) == {"steps": 0, "epochs": 2}
+    with pytest.raises(UserError, match="already holds a run submitted with another config"):
+        stool.prepare(stool.PlannedRun("r", "apps.bert.train", tmp_path / "r", {"steps": 0, "epochs": 3}, {}))
