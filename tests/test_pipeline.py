@@ -134,19 +134,27 @@ def slow_pipeline(tmp_path: Path) -> Path:
         """)
 
 
-def wait_for(path: Path, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while not path.exists() and time.time() < deadline:
-        time.sleep(0.1)
-    assert path.exists(), path
-
-
-def test_a_stopped_pipeline_stops_its_stage_and_the_same_command_goes_on(tmp_path):
+def start_until_slow_runs(tmp_path: Path) -> tuple[Path, Path, subprocess.Popen]:
+    """(the pipeline file, its stages folder, the pipeline's process) once `slow` has started."""
     spec, stages = slow_pipeline(tmp_path), tmp_path / "out" / "stages"
     proc = start(pipeline_command(f"pipeline={spec}", "cluster=local"), stdout=subprocess.PIPE,
                  stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while not (stages / "slow" / "started.json").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    return spec, stages, proc
+
+
+def finish_without_redoing_the_first_stage(tmp_path: Path, spec: Path, stages: Path) -> None:
+    (tmp_path / "flag").touch()
+    rerun = run_to_the_end(pipeline_command(f"pipeline={spec}", "cluster=local"))
+    assert rerun.returncode == 0, rerun.stderr
+    assert [commands_run(stages / name) for name in ("first", "slow", "last")] == [1, 2, 1]
+
+
+def test_a_stopped_pipeline_stops_its_stage_and_the_same_command_goes_on(tmp_path):
+    spec, stages, proc = start_until_slow_runs(tmp_path)
     try:
-        wait_for(stages / "slow" / "started.json")
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
         left = tagged_processes(proc.tag)
@@ -154,31 +162,22 @@ def test_a_stopped_pipeline_stops_its_stage_and_the_same_command_goes_on(tmp_pat
         end(proc)
     assert proc.returncode == 2 and "stopped during slow: the same command goes on from there" in err, err
     assert left == [] and not (stages / "slow" / "done.json").exists()
-    (tmp_path / "flag").touch()
-    rerun = run_to_the_end(pipeline_command(f"pipeline={spec}", "cluster=local"))
-    assert rerun.returncode == 0, rerun.stderr
-    assert [commands_run(stages / name) for name in ("first", "slow", "last")] == [1, 2, 1]
+    finish_without_redoing_the_first_stage(tmp_path, spec, stages)
 
 
 def test_a_killed_pipeline_is_resumed_once_its_orphaned_stage_is_gone(tmp_path):
     """SIGKILL leaves the stage's command running in its own process group: a rerun refuses to start it twice."""
-    spec, stages = slow_pipeline(tmp_path), tmp_path / "out" / "stages"
-    proc = start(pipeline_command(f"pipeline={spec}", "cluster=local"), stdout=subprocess.DEVNULL,
-                 stderr=subprocess.DEVNULL)
+    spec, stages, proc = start_until_slow_runs(tmp_path)
     try:
-        wait_for(stages / "slow" / "started.json")
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+        proc.communicate(timeout=30)
         group = json.loads((stages / "slow" / "started.json").read_text())["group"]
         refused = run_to_the_end(pipeline_command(f"pipeline={spec}", "cluster=local"))
         assert refused.returncode == 2
         assert f"stage slow is still running (process group {group})" in refused.stderr, refused.stderr
     finally:
         end(proc)  # the orphaned stage too: it carries the test's tag
-    (tmp_path / "flag").touch()
-    rerun = run_to_the_end(pipeline_command(f"pipeline={spec}", "cluster=local"))
-    assert rerun.returncode == 0, rerun.stderr
-    assert [commands_run(stages / name) for name in ("first", "slow", "last")] == [1, 2, 1]
+    finish_without_redoing_the_first_stage(tmp_path, spec, stages)
 
 
 def fake_slurm(bin_dir: Path) -> dict:
