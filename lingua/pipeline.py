@@ -84,8 +84,10 @@ def load_pipeline(path: str, paths: dict[str, str] | None = None) -> Pipeline:
     unknown = sorted(set(spec) - {"dump_dir", "paths", "variants", "launcher", "stages"})
     if unknown:
         raise UserError(f"pipeline {path}: unknown key '{unknown[0]}'")
-    if not spec.get("dump_dir") or not spec.get("stages"):
-        raise UserError(f"pipeline {path} needs a dump_dir and stages")
+    if not spec.get("dump_dir") or not isinstance(spec.get("stages"), dict) or not spec["stages"]:
+        raise UserError(f"pipeline {path} needs a dump_dir and stages (a mapping of stage names to stages)")
+    if not all(isinstance(v, dict) for v in (spec.get("variants") or {}).values()):
+        raise UserError(f"pipeline {path}: variants must map each variant's name to its keys ({{app: bert}})")
     given = {**(spec.get("paths") or {}), **(paths or {})}
     extra = sorted(set(paths or {}) - set(spec.get("paths") or {}) - {"dump_dir"})
     if extra:
@@ -122,6 +124,9 @@ def _expand(path: str, specs: dict, variants: dict, names: dict[str, str], launc
                 where = f"variant {variant}" if variant else "the pipeline's paths"
                 raise UserError(f"pipeline {path}: stage {name} uses {{{e.args[0]}}}, which {where} does not "
                                 "define") from None
+            except (ValueError, IndexError) as e:  # a lone brace, {0}, an unclosed quote
+                raise UserError(f"pipeline {path}: stage {name}'s run cannot be read ({e}); a literal brace is "
+                                "written {{ or }}") from None
             after = _needs(stage_spec.get("after") or [], variant, per_variant, variants)
             stages.append(Stage(f"{name}.{variant}" if variant else name, module, args, after, launch, variant))
     return stages

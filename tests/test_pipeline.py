@@ -5,6 +5,7 @@ with offline data made here."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,12 +84,16 @@ def test_stages_expand_per_variant_in_the_order_of_their_needs(toy, tmp_path):
      "depends on itself"),
     ({"stages": {"one": {"run": "json.tool {nowhere}"}}}, "uses {nowhere}, which the pipeline's paths does not define"),
     ({"stages": {"one": {"after": []}}}, "stage one has no run"),
+    ({"stages": {"one": {"run": "json.tool {"}}}, "stage one's run cannot be read"),
+    ({"stages": {"one": {"run": "json.tool 'x"}}}, "stage one's run cannot be read (No closing quotation)"),
+    ({"stages": ["one"]}, "needs a dump_dir and stages (a mapping"),
+    ({"variants": {"a": "bert"}}, "variants must map each variant's name to its keys"),
 ])
 def test_bad_pipelines_are_refused_in_one_line(tmp_path, change, message):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"dump_dir": str(tmp_path / "out"), "stages": {"one": {"run": "json.tool x"}},
                                     **change}))
-    with pytest.raises(UserError, match=message.replace("{", r"\{").replace("(", r"\(")):
+    with pytest.raises(UserError, match=re.escape(message)):
         load_pipeline(str(path))
 
 
