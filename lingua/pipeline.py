@@ -320,13 +320,12 @@ def run_local(pipeline: Pipeline) -> None:
     states: dict[str, str] = {}
     for stage in pipeline.stages:
         state = state_of(pipeline.dump_dir, stage, states)
-        if state == "failed":
-            state = "pending"  # run again
-        if state == "running":
-            group = json.loads((stage_dir(pipeline.dump_dir, stage.name) / "started.json").read_text())["group"]
-            raise UserError(f"stage {stage.name} is still running (process group {group}): wait for it, or stop it "
-                            f"(kill -- -{group})")
-        if state == "pending":
+        if state != "done" and any(states[need] != "done" for need in stage.after):
+            state = "blocked"
+        elif state in ("running", "submitted"):
+            raise UserError(f"stage {stage.name} is {state} elsewhere ({_where(pipeline.dump_dir, stage)}): wait for "
+                            "it, or stop it")
+        elif state != "done":  # pending, or failed before: run it (again)
             folder = stage_dir(pipeline.dump_dir, stage.name)
             print(f"[{time.strftime('%H:%M:%S')}] {stage.name}: started, log {folder / 'log.txt'}", flush=True)
             if run_stage(str(folder), stage.command(), str(pipeline.dump_dir / "code")) == "stopped":
@@ -340,6 +339,14 @@ def run_local(pipeline: Pipeline) -> None:
         raise UserError(f"{len(failed)} stage(s) failed: " + "; ".join(
             f"{name} (log {stage_dir(pipeline.dump_dir, name) / 'log.txt'})" for name in failed)
             + (f"; not started: {', '.join(blocked)}" if blocked else ""))
+
+
+def _where(dump_dir: Path, stage: Stage) -> str:
+    folder = stage_dir(dump_dir, stage.name)
+    if (folder / "job.json").exists():
+        return f"SLURM job {json.loads((folder / 'job.json').read_text())['job_id']}"
+    group = json.loads((folder / "started.json").read_text())["group"]
+    return f"process group {group}: kill -- -{group}"
 
 
 def submit_slurm(pipeline: Pipeline, launcher_argv: list[str]) -> None:
@@ -384,7 +391,7 @@ def _describe(dump_dir: Path, stage: Stage, state: str) -> str:
         failure = json.loads((folder / "failed.json").read_text())
         return f"failed (exit {failure['code']}: {failure['reason']}); log {folder / 'log.txt'}"
     if state == "blocked":
-        return "not started: a stage it needs failed"
+        return "not started: a stage it needs did not finish"
     return state
 
 

@@ -107,7 +107,8 @@ def test_a_failed_stage_is_named_with_its_log_its_dependents_wait_and_a_rerun_fi
     failed = run_to_the_end(pipeline_command(f"pipeline={toy}", "cluster=local"))
     assert failed.returncode == 2
     assert f"1 stage(s) failed: check (log {out / 'stages' / 'check' / 'log.txt'}); not started: table" in failed.stderr
-    assert "check: failed (exit 2: " in failed.stdout and "table: not started: a stage it needs failed" in failed.stdout
+    assert "check: failed (exit 2: " in failed.stdout
+    assert "table: not started: a stage it needs did not finish" in failed.stdout
     assert "free: done" in failed.stdout and not (out / "stages" / "table").exists()
     status = run_to_the_end([sys.executable, "-m", "lingua.stool", "status", str(out)])
     assert "check     failed" in status.stdout and "table     not started" in status.stdout
@@ -179,7 +180,8 @@ def test_a_killed_pipeline_is_resumed_once_its_orphaned_stage_is_gone(tmp_path):
         group = json.loads((stages / "slow" / "started.json").read_text())["group"]
         refused = run_to_the_end(pipeline_command(f"pipeline={spec}", "cluster=local"))
         assert refused.returncode == 2
-        assert f"stage slow is still running (process group {group})" in refused.stderr, refused.stderr
+        assert f"stage slow is running elsewhere (process group {group}: kill -- -{group})" in refused.stderr, \
+            refused.stderr
     finally:
         end(proc)  # the orphaned stage too: it carries the test's tag
     finish_without_redoing_the_first_stage(tmp_path, spec, stages)
