@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import yaml
 
+from apps.eval.mteb import benchmark_of
 from lingua.app import App, load_app, registered_apps, short_name
 from lingua.args import UserError, _read_yaml, command_line, load_config, require
 from lingua.checkpoint import Checkpoint
@@ -246,8 +247,7 @@ def _mteb_results(dump_dir: Path) -> dict[str, float]:
     found: dict[str, float] = {}
     for path in sorted((dump_dir / "mteb_eval").glob("*/results.json"), key=lambda p: p.stat().st_mtime):
         results = json.loads(path.read_text())
-        benchmark = "offline stand-ins" if results["args"].get("offline") else results["args"]["benchmark"]
-        found[benchmark] = results["summary"]["Avg."]
+        found[benchmark_of(results)] = results["summary"]["Avg."]
     return found
 
 

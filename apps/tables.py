@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from apps import paper
+from apps.eval.mteb import benchmark_of
 from apps.finetune.table import choose, read_results
 from lingua.args import UserError, command_line, load_config
 from lingua.eval.glue import TASKS
@@ -84,8 +85,7 @@ def mteb_sections(folder: Path) -> dict[tuple[str, str], dict[str, float]]:
         if protocol not in ("frozen", "full"):
             continue
         results = json.loads(path.read_text())
-        benchmark = "offline stand-ins" if results["args"].get("offline") else results["args"]["benchmark"]
-        sections[(benchmark, protocol)] = results["summary"]
+        sections[(benchmark_of(results), protocol)] = results["summary"]
     return sections
 
 

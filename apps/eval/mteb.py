@@ -43,6 +43,11 @@ class MtebCommandArgs:
         at_least(self, 0, "max_len")
 
 
+def benchmark_of(results: dict) -> str:
+    """What a results.json of this command scored: the benchmark's name, or "offline stand-ins"."""
+    return "offline stand-ins" if results["args"].get("offline") else results["args"]["benchmark"]
+
+
 def output_dir(args: MtebCommandArgs) -> Path:
     if args.out:
         return Path(args.out)
