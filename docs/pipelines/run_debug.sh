@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Table 3 in miniature, on a CPU and offline: the debug BERT, CrossBERT and ELECTRA pre-trained on the sample corpus,
 # probed, fine-tuned on GLUE and trained contrastively, scored on the offline MTEB stand-ins, and the table written to
-# dump/pipelines/table3_debug/table3.md (about 40 minutes on 2 cores). Stopped or failed, the same command goes on
+# dump/pipelines/table3_debug/table3.md (about 30 minutes on 2 cores). Stopped or failed, the same command goes on
 # from where it was (finished stages are skipped).
 #   bash docs/pipelines/run_debug.sh [DATA]      DATA: the folder holding glue/ and retrieval/ (../shared/data)
 set -euo pipefail
