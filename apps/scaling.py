@@ -283,8 +283,8 @@ def plot_command(argv: list[str]) -> None:
     panels = (sorted({run["app"] for run in runs}) if args.kind in ("curves", "loss")
               else ["GLUE", *sorted({benchmark for run in runs for benchmark in run["mteb"]})])
     fig, axes = plt.subplots(1, len(panels), figsize=(1 + 5 * len(panels), 4), squeeze=False)
-    for ax, app in zip(axes[0], panels):
-        shown = [run for run in runs if app in (None, run["app"])]
+    for ax, panel in zip(axes[0], panels):
+        shown = [run for run in runs if run["app"] == panel]  # curves and loss: the panel's app
         if args.kind == "curves":
             for run in shown:
                 if run["val_curve"]:
@@ -293,13 +293,13 @@ def plot_command(argv: list[str]) -> None:
         elif args.kind == "loss":
             _scatter_with_law(ax, shown, lambda run: run["final_val_loss"])
             ax.set_ylabel("final validation loss")
-        elif app == "GLUE":
+        elif panel == "GLUE":
             _scatter_with_law(ax, runs, lambda run: run["probes"].get(args.probe, {}).get("avg"), fit=False)
             ax.set_ylabel(f"frozen GLUE average, {args.probe} probe (%)")
         else:
-            _scatter_with_law(ax, runs, lambda run, benchmark=app: run["mteb"].get(benchmark), fit=False)
-            ax.set_ylabel(f"{app} Avg. (%)")
-        ax.set_title(app)
+            _scatter_with_law(ax, runs, lambda run, benchmark=panel: run["mteb"].get(benchmark), fit=False)
+            ax.set_ylabel(f"{panel} Avg. (%)")
+        ax.set_title(panel)
         ax.set_xscale("log")
         ax.set_xlabel("compute C (FLOPs, paper counting)")
         ax.legend(fontsize=7)

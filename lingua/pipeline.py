@@ -56,7 +56,6 @@ class Stage:
     args: list[str]
     after: list[str]  # the names of the stages it needs
     launcher: dict[str, Any] = field(default_factory=dict)
-    variant: str = ""
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", self.module, *self.args]
@@ -128,7 +127,7 @@ def _expand(path: str, specs: dict, variants: dict, names: dict[str, str], launc
                 raise UserError(f"pipeline {path}: stage {name}'s run cannot be read ({e}); a literal brace is "
                                 "written {{ or }}") from None
             after = _needs(stage_spec.get("after") or [], variant, per_variant, variants)
-            stages.append(Stage(f"{name}.{variant}" if variant else name, module, args, after, launch, variant))
+            stages.append(Stage(f"{name}.{variant}" if variant else name, module, args, after, launch))
     return stages
 
 

@@ -63,8 +63,8 @@ def _sample(items: list, n: int) -> list:
 
 
 def classification(glue: Path) -> AbsTask:
-    task = load_split(TASKS["sst2"], "train", str(glue)), load_split(TASKS["sst2"], "dev", str(glue))
-    train = _sample(list(zip(task[0].texts, task[0].labels.tolist())), CLASSIFICATION_TRAIN)
+    full_train, dev = (load_split(TASKS["sst2"], split, str(glue)) for split in ("train", "dev"))
+    train = _sample(list(zip(full_train.texts, full_train.labels.tolist())), CLASSIFICATION_TRAIN)
 
     class SST2Offline(_Loaded, AbsTaskClassification):
         metadata = _metadata("SST2Offline", "Classification", "accuracy", "SST-2 sentiment, local files.")
@@ -72,7 +72,7 @@ def classification(glue: Path) -> AbsTask:
     result = SST2Offline()
     result.dataset = DatasetDict({
         "train": Dataset.from_dict({"text": [t[0] for t, _ in train], "label": [y for _, y in train]}),
-        "test": Dataset.from_dict({"text": [t[0] for t in task[1].texts], "label": task[1].labels.tolist()})})
+        "test": Dataset.from_dict({"text": [t[0] for t in dev.texts], "label": dev.labels.tolist()})})
     return result
 
 
