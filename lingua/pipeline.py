@@ -366,6 +366,7 @@ def submit_slurm(pipeline: Pipeline, launcher_argv: list[str]) -> None:
         extra = {"kill-on-invalid-dep": "yes", **({"dependency": "afterok:" + ":".join(waits)} if waits else {})}
         executor.update_parameters(slurm_job_name=stage.name, slurm_additional_parameters=extra)
         folder.mkdir(parents=True, exist_ok=True)
+        (folder / "failed.json").unlink(missing_ok=True)  # submitted again: queued, no longer failed
         job = executor.submit(run_stage, str(folder), stage.command(), str(pipeline.dump_dir / "code"))
         job_ids[stage.name] = str(job.job_id)
         atomic_write(folder / "job.json", json.dumps({"job_id": str(job.job_id), "folder": str(job.paths.folder)}))

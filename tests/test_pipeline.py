@@ -230,6 +230,13 @@ def test_slurm_jobs_wait_for_the_stages_they_need_and_a_rerun_keeps_them(toy, tm
     assert again.returncode == 0 and "first.a: job 100 already submitted" in again.stdout, again.stdout
     assert (bin_dir / "count").read_text().strip() == "106"  # nothing submitted twice
 
+    check = tmp_path / "out" / "stages" / "check"
+    (check / "failed.json").write_text(json.dumps({"code": 1, "reason": "boom"}))  # its job failed
+    resubmitted = run_to_the_end(pipeline_command(f"pipeline={toy}", "cluster=slurm"), env=env)
+    assert "check: submitted job 107, after 100" in resubmitted.stdout, resubmitted.stdout
+    status = run_to_the_end([sys.executable, "-m", "lingua.stool", "status", str(tmp_path / "out")], env=env)
+    assert "check     submitted" in status.stdout, status.stdout  # queued again, no longer shown as failed
+
 
 def test_table3_debug_pipeline_end_to_end_on_offline_data(tmp_path, corpus):
     """docs/pipelines/table3_debug.yaml, its stages shortened (fewer steps, examples and tasks), for BERT and
