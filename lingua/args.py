@@ -88,13 +88,14 @@ def at_least(cfg: Any, minimum: float, *names: str) -> None:
 
 def load_config(cls: type[T], argv: list[str], base: dict[str, Any] | None = None) -> T:
     """Build `cls` from `base` (a nested dict), then `config=PATH` (optional) and dotted `key=value` overrides, in
-    order."""
+    order. A class with a field of its own named `config` (stool's: the run's base config) takes it as a value."""
     if "--help" in argv or "-h" in argv:
         raise HelpRequested(config_help(cls, base))
     tree: dict[str, Any] = dict(base or {})
+    config_is_a_file = "config" not in {f.name for f in dataclasses.fields(cls)}
     for arg in argv:
         key, value = parse_assignment(arg)
-        if key == "config":
+        if key == "config" and config_is_a_file:
             tree = _merge(tree, _read_yaml(value))
         else:
             _set_dotted(tree, key, value)

@@ -29,6 +29,15 @@ def atomic_write(path: str | Path, data: str | bytes | Callable[[BinaryIO], None
             tmp.unlink()
 
 
+def fsync_dir(folder: str | Path) -> None:
+    """Flushes a folder's entries (a rename or a new file in it) to disk."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def remove_partial_writes(folder: str | Path) -> list[Path]:
     """Deletes the temporary files of atomic writes whose process was killed; returns them."""
     partial = [p for p in Path(folder).iterdir() if p.is_file() and PARTIAL_WRITE.search(p.name)]

@@ -20,13 +20,16 @@ A pipeline file:
         after: [pretrain]                    # the same variant's stage; from a stage run once: every variant's
         run: apps.eval.glue ckpt={dir}/{variant}/pretrain data={glue} out={dir}/{variant}/probes
 
-`run` is a Python module and its key=value arguments (`python -m` runs it, in the pipeline's copy of the code,
-DIR/code). On `local` the stages run one after the other on this machine, each as one process; on `slurm` every
-stage is a job (its launcher's nodes and GPUs, one task per GPU) that SLURM starts once the jobs of the stages it
-needs have succeeded, and never if one failed. Each stage's record is in DIR/stages/STAGE/: log.txt, then done.json
-or failed.json. Running the pipeline again skips the stages that are done (and on SLURM those still queued or
-running), and runs again a failed or interrupted one: a training run resumes from its checkpoint. A stage that
-received the stop signal (preemption, the time limit) is not done, whatever its exit code.
+`run` is a Python module and its key=value arguments (`python -m` runs it, in the snapshot of the code made when
+the stage was launched, DIR/code/HASH). On `local` the stages run one after the other on this machine, each as one
+process; on `slurm` every stage is a job (its launcher's nodes and GPUs, one task per GPU) that SLURM starts once the
+jobs of the stages it needs have succeeded, and never if one failed or was cancelled (a stage's job fails when the
+stage did). Each stage's record is in DIR/stages/STAGE/: log.txt, then done.json or failed.json, naming the command.
+Running the pipeline again skips the stages that are done (and on SLURM those still in its hands: queued, running,
+requeued), and runs again a failed or interrupted one: a training run resumes from its checkpoint. A stage that
+received a stop signal is not done, whatever its exit code; on SLURM a preemption signal (the time limit's) requeues
+its job. A stage whose command changed since it was done, queued or started is refused in one line. A local stage
+records its host and processes, so that another host or a later boot does not take it for running or gone wrongly.
 """
 
 import dataclasses
@@ -34,6 +37,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,7 +50,15 @@ from lingua.args import UserError, _read_yaml, load_config
 from lingua.files import atomic_write
 
 FORWARDED_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # a scheduler's stop signals
-ACTIVE_SLURM_STATES = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "RESIZING", "SUSPENDED")
+PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1)  # the time limit's warning, a preemption: the job goes back
+# in the queue; SIGTERM and SIGINT (scancel, a shutdown) end it
+FINAL_SLURM_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                      "DEADLINE")  # any other state (PENDING, REQUEUED, PREEMPTED, UNKNOWN while sacct lags ...) is
+# still in the scheduler's hands
+
+
+class StageNotDone(Exception):
+    """Ends a stage's SLURM job with a non-zero exit, so that SLURM does not start the stages that need it."""
 
 
 @dataclass
@@ -59,6 +71,11 @@ class Stage:
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", self.module, *self.args]
+
+    @property
+    def line(self) -> str:
+        """What the stage runs, as its records name it: a stage whose line changed is another stage."""
+        return shlex.join([self.module, *self.args])
 
 
 @dataclass
@@ -174,11 +191,11 @@ def stage_dir(dump_dir: Path, name: str) -> Path:
     return dump_dir / "stages" / name
 
 
-def run_stage(folder: str, command: list[str], cwd: str) -> str:
-    """Runs a stage's command with its output in folder/log.txt (a SLURM task other than the first: its own log)
-    and, from the first task, records the outcome: done.json on exit 0, failed.json with the log's last line
-    otherwise. A stop signal is passed on to the command; a stage that got one is not done. Returns "done",
-    "failed" or "stopped"."""
+def run_stage(folder: str, stage: Stage, code: str) -> str:
+    """Runs a stage's command in `code` with its output in folder/log.txt (a SLURM task other than the first: its own
+    log) and, from the first task, records the outcome: done.json on exit 0, failed.json with the log's last line
+    otherwise, both naming the stage's line. A stop signal is passed on to the command; a stage that got one is not
+    done. Returns "done", "failed", "preempted" (a preemption signal) or "stopped" (another stop signal)."""
     folder_path, rank = Path(folder), int(os.environ.get("SLURM_PROCID", "0"))
     folder_path.mkdir(parents=True, exist_ok=True)
     log = folder_path / ("log.txt" if rank == 0 else f"log.task{rank}.txt")
@@ -187,12 +204,12 @@ def run_stage(folder: str, command: list[str], cwd: str) -> str:
     received: list[int] = []
     start = time.time()
     with open(log, "ab") as out:
-        out.write(f"$ {shlex.join(command)}\n".encode())
+        out.write(f"$ {shlex.join(stage.command())}\n".encode())
         out.flush()
-        process = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(stage.command(), cwd=code, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
         if rank == 0:  # the command's process group outlives a runner killed with SIGKILL: it is recorded too
-            atomic_write(folder_path / "started.json", json.dumps({"pid": os.getpid(), "group": process.pid,
-                                                                   "time": time.time()}))
+            atomic_write(folder_path / "started.json", json.dumps({**this_process(process.pid), "line": stage.line}))
 
         def forward(signum, frame):
             received.append(signum)
@@ -200,21 +217,56 @@ def run_stage(folder: str, command: list[str], cwd: str) -> str:
 
         previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
         try:
-            code = process.wait()
+            exit_code = process.wait()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             _stop(process)
             if rank == 0:
                 (folder_path / "started.json").unlink(missing_ok=True)
-    if received:
-        return "stopped"  # neither done nor failed: the next run of the pipeline runs it again
-    outcome = "done" if code == 0 else "failed"
+    if received:  # neither done nor failed: the next run of the pipeline runs it again
+        return "preempted" if set(received) & set(PREEMPTION_SIGNALS) else "stopped"
+    outcome = "done" if exit_code == 0 else "failed"
     if rank == 0 and outcome == "done":
-        atomic_write(folder_path / "done.json", json.dumps({"seconds": time.time() - start}))
+        atomic_write(folder_path / "done.json", json.dumps({"seconds": time.time() - start, "line": stage.line}))
     elif rank == 0:
-        atomic_write(folder_path / "failed.json", json.dumps({"code": code, "reason": last_line(log)}))
+        atomic_write(folder_path / "failed.json", json.dumps({"code": exit_code, "reason": last_line(log),
+                                                              "line": stage.line}))
     return outcome
+
+
+def stage_job(folder: str, stage: Stage, code: str) -> None:
+    """A stage's SLURM job. Its exit status is the stage's, so that SLURM starts the stages that need it only when it
+    is done (afterok) and cancels them when it failed; a preempted stage puts its job back in the queue (a training
+    run resumes), its dependents waiting."""
+    outcome = run_stage(folder, stage, code)
+    if outcome == "done":
+        return
+    if outcome == "preempted" and int(os.environ.get("SLURM_PROCID", "0")) == 0:
+        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
+    raise StageNotDone(f"stage {stage.name}: {outcome}")
+
+
+def this_process(group: int) -> dict[str, Any]:
+    """What tells a stage's runner and its command's process group apart from any other process, later and from
+    another host: the host, its boot, the pid and when it started, the group and when its leader started."""
+    return {"host": socket.gethostname(), "boot": _boot_id(), "pid": os.getpid(),
+            "pid_start": _start_time(os.getpid()), "group": group, "group_start": _start_time(group)}
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> str:
+    """When the process started, in clock ticks since boot; '' where /proc cannot say (another OS, a gone pid)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -253,30 +305,51 @@ def last_line(log: Path) -> str:
 
 
 def state_of(dump_dir: Path, stage: Stage, states: dict[str, str]) -> str:
-    """done | failed | blocked (a stage it needs failed) | running | submitted (queued on SLURM) | pending, from the
-    stage's record; `states` holds those of the stages before it."""
+    """done | changed (done, or queued or running, with another line) | failed | blocked (a stage it needs failed) |
+    running | submitted (queued on SLURM) | pending, from the stage's record; `states` holds those of the stages
+    before it."""
     folder = stage_dir(dump_dir, stage.name)
-    if (folder / "done.json").exists():
-        return "done"
+    done = _read_json(folder / "done.json")
+    if done is not None:
+        return "done" if done.get("line", stage.line) == stage.line else "changed"
     if (folder / "failed.json").exists():
         return "failed"
     if any(states.get(need) in ("failed", "blocked") for need in stage.after):
         return "blocked"
-    if (folder / "job.json").exists():
-        if not _slurm_job_active(folder):
+    job = _read_json(folder / "job.json")
+    if job is not None:
+        if not _slurm_job_active(job):
             return "pending"  # its job ended without an outcome (killed, timed out): it runs again
-        return "running" if (folder / "started.json").exists() else "submitted"
-    return "running" if _alive(folder / "started.json") else "pending"
+        state = "running" if (folder / "started.json").exists() else "submitted"
+    elif _alive(_read_json(folder / "started.json")):
+        state, job = "running", _read_json(folder / "started.json")
+    else:
+        return "pending"
+    return state if job.get("line", stage.line) == stage.line else "changed"
 
 
-def _alive(started: Path) -> bool:
-    """Whether the process that runs the stage on this machine, or its command's process group, still runs."""
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        record = json.loads(started.read_text())
+        return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _alive(started: dict[str, Any] | None) -> bool:
+    """Whether the process that runs a local stage, or its command's process group, still runs. One on another host
+    counts as running (this host cannot see it); a record from before this host's last boot, or whose pids now
+    belong to processes that started at another time, does not."""
+    if started is None:
         return False
-    pid, group = record.get("pid"), record.get("group")
-    return bool(pid and _exists(os.kill, pid) or group and _group_running(group))
+    if started.get("host", socket.gethostname()) != socket.gethostname():
+        return True
+    if started.get("boot", _boot_id()) != _boot_id():
+        return False
+    pid, group = started.get("pid"), started.get("group")
+    if pid and _exists(os.kill, pid) and started.get("pid_start", "") == _start_time(pid):
+        return True
+    leader = _start_time(group) if group else ""
+    return bool(group and leader in ("", started.get("group_start", "")) and _group_running(group))
 
 
 def _exists(kill, target: int) -> bool:
@@ -289,32 +362,54 @@ def _exists(kill, target: int) -> bool:
     return True
 
 
-def _slurm_job_active(folder: Path) -> bool:
+def _slurm_job_active(job: dict[str, Any]) -> bool:
     import submitit
 
-    job = json.loads((folder / "job.json").read_text())
-    return submitit.SlurmJob(job["folder"], job["job_id"]).state in ACTIVE_SLURM_STATES
+    state = submitit.SlurmJob(job["folder"], job["job_id"]).state  # "CANCELLED by 0": the first word
+    return (state.split() or ["UNKNOWN"])[0] not in FINAL_SLURM_STATES
 
 
 # ------------------------------------------------------------------------------------------------ running
 
 
 def launch(pipeline: Pipeline, launcher_argv: list[str]) -> None:
-    """Runs (local) or submits (slurm) the stages not done; `launcher_argv`: stool's keys from the command line."""
+    """Runs (local) or submits (slurm) the stages not done, in a snapshot of the code made for this launch (the
+    stages queued or running before keep theirs); `launcher_argv`: stool's keys from the command line. A stage whose
+    line changed since it was done, queued or started is refused before anything is written."""
     args = load_config(stool.LauncherArgs, launcher_argv)
     if args.dry_run:
         print(format_plan(pipeline, launcher_argv))
         return
+    _refuse_changed_stages(pipeline)
     pipeline.dump_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(pipeline.dump_dir / "pipeline.json", json.dumps(pipeline.record(), indent=1))
-    stool.snapshot_code(pipeline.dump_dir / "code")
+    code = stool.snapshot_code(pipeline.dump_dir / "code")
     if args.cluster == "local":
-        run_local(pipeline)
+        run_local(pipeline, code)
     else:
-        submit_slurm(pipeline, launcher_argv)
+        submit_slurm(pipeline, launcher_argv, code)
 
 
-def run_local(pipeline: Pipeline) -> None:
+def _refuse_changed_stages(pipeline: Pipeline) -> None:
+    states: dict[str, str] = {}
+    for stage in pipeline.stages:
+        states[stage.name] = state_of(pipeline.dump_dir, stage, states)
+        if states[stage.name] == "changed":
+            folder = stage_dir(pipeline.dump_dir, stage.name)
+            raise UserError(f"stage {stage.name} was run with another command ({_recorded_line(folder)}); to run "
+                            f"`{stage.line}` instead, stop its job if it has one and remove {folder} (and what it "
+                            "wrote)")
+
+
+def _recorded_line(folder: Path) -> str:
+    for name in ("done.json", "job.json", "started.json"):
+        record = _read_json(folder / name)
+        if record is not None and "line" in record:
+            return record["line"]
+    return "unknown"
+
+
+def run_local(pipeline: Pipeline, code: Path) -> None:
     """The stages in order, on this machine; a failed stage's dependents are not started, the others are."""
     states: dict[str, str] = {}
     for stage in pipeline.stages:
@@ -327,7 +422,7 @@ def run_local(pipeline: Pipeline) -> None:
         elif state != "done":  # pending, or failed before: run it (again)
             folder = stage_dir(pipeline.dump_dir, stage.name)
             print(f"[{time.strftime('%H:%M:%S')}] {stage.name}: started, log {folder / 'log.txt'}", flush=True)
-            if run_stage(str(folder), stage.command(), str(pipeline.dump_dir / "code")) == "stopped":
+            if run_stage(str(folder), stage, str(code)) in ("stopped", "preempted"):
                 raise UserError(f"stopped during {stage.name}: the same command goes on from there")
             state = state_of(pipeline.dump_dir, stage, states)
         states[stage.name] = state
@@ -342,34 +437,42 @@ def run_local(pipeline: Pipeline) -> None:
 
 def _where(dump_dir: Path, stage: Stage) -> str:
     folder = stage_dir(dump_dir, stage.name)
-    if (folder / "job.json").exists():
-        return f"SLURM job {json.loads((folder / 'job.json').read_text())['job_id']}"
-    group = json.loads((folder / "started.json").read_text())["group"]
+    job = _read_json(folder / "job.json")
+    if job is not None:
+        return f"SLURM job {job['job_id']}"
+    started = _read_json(folder / "started.json") or {}
+    group, host = started.get("group"), started.get("host", socket.gethostname())
+    if host != socket.gethostname():
+        return (f"on host {host}, process group {group}; if that host is gone, remove "
+                f"{folder / 'started.json'}")
     return f"process group {group}: kill -- -{group}"
 
 
-def submit_slurm(pipeline: Pipeline, launcher_argv: list[str]) -> None:
+def submit_slurm(pipeline: Pipeline, launcher_argv: list[str], code: Path) -> None:
     """One job per stage not done, each depending on the jobs of the stages it needs (afterok); SLURM cancels the
-    dependents of a failed one. Stages already queued or running keep their jobs."""
+    dependents of a failed one. Stages already in SLURM's hands (queued, running, requeued) keep their jobs."""
     job_ids: dict[str, str] = {}
     for stage in pipeline.stages:
         state = state_of(pipeline.dump_dir, stage, {})
         folder = stage_dir(pipeline.dump_dir, stage.name)
         if state == "done":
             continue
-        if state in ("submitted", "running") and (folder / "job.json").exists():
-            job_ids[stage.name] = json.loads((folder / "job.json").read_text())["job_id"]
+        job = _read_json(folder / "job.json")
+        if state in ("submitted", "running") and job is not None:
+            job_ids[stage.name] = job["job_id"]
             print(f"{stage.name}: job {job_ids[stage.name]} already {state}")
             continue
         waits = [job_ids[need] for need in stage.after if need in job_ids]
-        executor = stool.executor_for(stage_launcher(launcher_argv, stage), pipeline.dump_dir / "submitit")
-        extra = {"kill-on-invalid-dep": "yes", **({"dependency": "afterok:" + ":".join(waits)} if waits else {})}
-        executor.update_parameters(slurm_job_name=stage.name, slurm_additional_parameters=extra)
+        dependency = {"dependency": "afterok:" + ":".join(waits)} if waits else {}
+        executor = stool.executor_for(stage_launcher(launcher_argv, stage), pipeline.dump_dir / "submitit", code,
+                                      **{"kill-on-invalid-dep": "yes", **dependency})
+        executor.update_parameters(slurm_job_name=stage.name)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "failed.json").unlink(missing_ok=True)  # submitted again: queued, no longer failed
-        job = executor.submit(run_stage, str(folder), stage.command(), str(pipeline.dump_dir / "code"))
+        job = executor.submit(stage_job, str(folder), stage, str(code))
         job_ids[stage.name] = str(job.job_id)
-        atomic_write(folder / "job.json", json.dumps({"job_id": str(job.job_id), "folder": str(job.paths.folder)}))
+        atomic_write(folder / "job.json", json.dumps({"job_id": str(job.job_id), "folder": str(job.paths.folder),
+                                                      "line": stage.line, "code": str(code)}))
         print(f"{stage.name}: submitted job {job.job_id}" + (f", after {', '.join(waits)}" if waits else ""))
     print(f"python -m lingua.stool status {pipeline.dump_dir} follows them")
 
@@ -392,6 +495,8 @@ def _describe(dump_dir: Path, stage: Stage, state: str) -> str:
         return f"failed (exit {failure['code']}: {failure['reason']}); log {folder / 'log.txt'}"
     if state == "blocked":
         return "not started: a stage it needs did not finish"
+    if state == "changed":
+        return f"run with another command ({_recorded_line(folder)})"
     return state
 
 

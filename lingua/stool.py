@@ -8,9 +8,10 @@
 
 A run gets one task per GPU (lingua/distributed.py reads srun's variables), the stop signal `signal_delay_s` before
 the time limit (the training loop saves a checkpoint and requeues the job, which resumes), its resolved config in
-`dump_dir/submitted.yaml` (the job reads it; the run writes the config it derives and trains with to config.yaml)
-and a copy of the code (every file of the packages it imports) in `dump_dir/code`, where the
-job runs: edits to the repository after submission do not reach it. `cluster=local` runs the same jobs through
+`dump_dir/submitted.yaml` (the job reads it; the run writes the config it derives and trains with to config.yaml).
+Each submission snapshots the code (every file of the packages it imports) into `FOLDER/code/HASH` (FOLDER: the
+run's dump_dir, or the sweep's), where its jobs run, requeued ones too: edits to the repository after submission
+do not reach them. `cluster=local` runs the same jobs through
 submitit's local executor, `parallel` at a time (stool waits for them).
 
 A sweep file names the base config and the runs, each with its own dump_dir `<dump_dir>/<name>`, the name made of
@@ -31,8 +32,10 @@ done: lingua/pipeline.py describes its file.
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
+import os
 import pickle
 import shlex
 import shutil
@@ -56,7 +59,7 @@ from lingua.args import (
     parse_assignment,
     require,
 )
-from lingua.files import atomic_write
+from lingua.files import atomic_write, fsync_dir
 from lingua.metrics import read_metrics
 
 CODE_PACKAGES = ("lingua", "apps")  # copied whole (configs and data files too) into every run's dump_dir/code
@@ -199,16 +202,42 @@ def _name_part(label: str, value: Any) -> str:
 # ------------------------------------------------------------------------------------------------ submission
 
 
-def snapshot_code(destination: Path, source: Path | None = None) -> None:
-    """Copies every file of the code packages (not only *.py: configs and data files the code reads too)."""
+def snapshot_code(parent: Path, source: Path | None = None) -> Path:
+    """An immutable copy of every file of the code packages (not only *.py: configs and data files the code reads
+    too) in parent/<hash of what it holds>, returned. It appears whole (copied aside, flushed, then renamed) and is
+    never written again: a queued, running or requeued job keeps the code it was submitted with, whatever is
+    submitted after it; submitting the same code again reuses it."""
     source = source or Path(__file__).resolve().parents[1]
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for package in CODE_PACKAGES:
-        shutil.copytree(source / package, destination / package, ignore=ignore, dirs_exist_ok=True)
+    files = sorted(path.relative_to(source) for package in CODE_PACKAGES for path in (source / package).rglob("*")
+                   if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc")
+    contents = {path: (source / path).read_bytes() for path in files}  # read once: what is hashed is what is copied
+    digest = hashlib.sha256()
+    for path, data in contents.items():
+        digest.update(f"{path.as_posix()}\0{len(data)}\0".encode() + data)
+    destination = parent / digest.hexdigest()[:16]
+    if destination.is_dir():
+        return destination
+    staging = parent / f".{destination.name}.{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    for path, data in contents.items():
+        target = staging / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+        shutil.copymode(source / path, target)
+    try:
+        staging.rename(destination)
+    except OSError:  # another submission made the same snapshot a moment ago
+        shutil.rmtree(staging)
+        if not destination.is_dir():
+            raise
+    fsync_dir(parent)
+    return destination
 
 
 def prepare(run: PlannedRun) -> None:
-    """The run's dump_dir: the config stool resolved (submitted.yaml) and its code; refuses a config other than
+    """The run's dump_dir and the config stool resolved (submitted.yaml); refuses a config other than
     the one submitted there before (nothing is lost). A run may derive its config.yaml from it (fine-tuning: its
     steps from epochs), so submitting the same run again compares what was submitted, not what the run wrote."""
     run.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -216,7 +245,6 @@ def prepare(run: PlannedRun) -> None:
     if submitted.exists() and yaml.safe_load(submitted.read_text()) != run.config:
         raise UserError(f"{run.dump_dir} already holds a run submitted with another config: use another dump_dir")
     atomic_write(submitted, yaml.safe_dump(run.config, sort_keys=False))
-    snapshot_code(run.dump_dir / "code")
 
 
 def train_job(script: str, config_file: str) -> dict[str, Any]:
@@ -227,7 +255,9 @@ def train_job(script: str, config_file: str) -> dict[str, Any]:
     return train(app, load_config(app.args_cls, [f"config={config_file}"]))
 
 
-def executor_for(args: LauncherArgs, folder: Path):
+def executor_for(args: LauncherArgs, folder: Path, code: Path, **sbatch_options: str):
+    """submitit's executor for `args`; its SLURM jobs start in `code` (SLURM is told: a job, requeued ones too,
+    never inherits the directory it was submitted from) with `sbatch_options` added."""
     import submitit
 
     executor = submitit.AutoExecutor(folder=folder, cluster=args.cluster)
@@ -240,29 +270,32 @@ def executor_for(args: LauncherArgs, folder: Path):
                    "slurm_signal_delay_s": args.signal_delay_s, "slurm_array_parallelism": args.array_parallelism}
         params |= {f"slurm_{key}": getattr(args, key) for key in ("partition", "qos", "account", "constraint")
                    if getattr(args, key)}
+        params |= {"slurm_additional_parameters": {"chdir": str(code), **sbatch_options}}
     executor.update_parameters(**params)
     return executor
 
 
 def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
-    """Prepares every run, then submits them: one SLURM job array, or local waves of `parallel` runs."""
+    """Prepares every run and snapshots the code once (folder/code/HASH), then submits them: one SLURM job array, or
+    local waves of `parallel` runs."""
     for run in runs:
         prepare(run)
-    executor = executor_for(args, folder / "submitit")
+    code = snapshot_code(folder / "code")
+    executor = executor_for(args, folder / "submitit", code)
     if args.cluster == "slurm":
         with executor.batch():
-            jobs = [_submit_one(executor, run) for run in runs]
+            jobs = [_submit_one(executor, run, code) for run in runs]
         for run, job in zip(runs, jobs):
-            _record(run, job)
+            _record(run, job, code)
         return
     failed = []
     for start in range(0, len(runs), args.parallel):
         jobs: list = []
         with _cancelled_when_interrupted(jobs):
-            wave = [(run, _submit_one(executor, run)) for run in runs[start:start + args.parallel]]
+            wave = [(run, _submit_one(executor, run, code)) for run in runs[start:start + args.parallel]]
             jobs += [job for _, job in wave]
             for run, job in wave:
-                _record(run, job)
+                _record(run, job, code)
             for run, job in wave:
                 job.wait()
                 info = describe(run.dump_dir)
@@ -301,15 +334,15 @@ def _cancelled_when_interrupted(jobs: list):
             signal.signal(signum, handler)
 
 
-def _submit_one(executor, run: PlannedRun):
-    with contextlib.chdir(run.dump_dir / "code"):  # submitit's jobs start where they were submitted from
+def _submit_one(executor, run: PlannedRun, code: Path):
+    with contextlib.chdir(code):  # submitit's local jobs start where they are submitted from
         return executor.submit(train_job, run.script, str(run.dump_dir / "submitted.yaml"))
 
 
-def _record(run: PlannedRun, job) -> None:
-    """Where status finds the job: its id and submitit's folder."""
+def _record(run: PlannedRun, job, code: Path) -> None:
+    """Where status finds the job: its id and submitit's folder; and the code it runs."""
     atomic_write(run.dump_dir / "job.json", json.dumps({"job_id": str(job.job_id), "folder": str(job.paths.folder),
-                                                        "script": run.script}))
+                                                        "script": run.script, "code": str(code)}))
     print(f"submitted {run.name}: job {job.job_id}, dump_dir {run.dump_dir}")
 
 

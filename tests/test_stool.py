@@ -3,6 +3,7 @@
 import json
 import pickle
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import yaml
 from apps.bert.train import BertTrainArgs
 from lingua import stool
 from lingua.args import UserError, load_config
-from tests.conftest import end, start, tagged_processes, tiny_argv
+from tests.conftest import REPO, end, start, tagged_processes, tiny_argv
 
 
 def write_sweep(tmp_path, corpus, **extra) -> Path:
@@ -91,14 +92,31 @@ def test_a_dry_run_prints_commands_a_shell_can_run(tmp_path, corpus, capsys):
 
 
 def test_snapshot_holds_everything_the_run_imports(tmp_path):
-    stool.snapshot_code(tmp_path / "code")
+    code = stool.snapshot_code(tmp_path / "code")
     probe = ("import sys, apps.crossbert.train, apps.eval.glue, lingua.stool; "
              "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))")
-    files = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path / "code", capture_output=True, text=True,
+    files = subprocess.run([sys.executable, "-c", probe], cwd=code, capture_output=True, text=True,
                            check=True).stdout.split()
     ours = [f for f in files if "/lingua/" in f or "/apps/" in f]
-    assert ours and all(Path(f).is_relative_to(tmp_path / "code") for f in ours)
-    assert (tmp_path / "code/apps/crossbert/configs/debug.yaml").exists()  # not only *.py
+    assert ours and all(Path(f).is_relative_to(code) for f in ours)
+    assert (code / "apps/crossbert/configs/debug.yaml").exists()  # not only *.py
+
+
+def test_a_snapshot_is_never_rewritten_and_the_same_code_shares_one(tmp_path):
+    """A queued or requeued job keeps the code it was submitted with: a later submission of changed code (an edited
+    module, a deleted one) gets a folder of its own."""
+    source = tmp_path / "repo"
+    for package in stool.CODE_PACKAGES:
+        shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    first = stool.snapshot_code(tmp_path / "code", source)
+    assert stool.snapshot_code(tmp_path / "code", source) == first
+    (source / "lingua" / "flops.py").write_text("raise SystemExit('edited')\n")
+    (source / "lingua" / "divergence.py").unlink()
+    second = stool.snapshot_code(tmp_path / "code", source)
+    assert second != first and sorted(p.name for p in (tmp_path / "code").iterdir()) == sorted([first.name,
+                                                                                               second.name])
+    assert (first / "lingua" / "flops.py").read_bytes() == (REPO / "lingua" / "flops.py").read_bytes()
+    assert (first / "lingua" / "divergence.py").exists() and not (second / "lingua" / "divergence.py").exists()
 
 
 def test_local_sweep_runs_end_to_end_and_status_reads_it(tmp_path, corpus, capsys):
@@ -107,7 +125,7 @@ def test_local_sweep_runs_end_to_end_and_status_reads_it(tmp_path, corpus, capsy
     for name in ("lr0.001", "lr0.003"):
         run = root / name
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert metrics[-1]["step"] == 4 and (run / "code/lingua/train.py").exists()
+        assert metrics[-1]["step"] == 4 and len(list(root.glob("code/*/lingua/train.py"))) == 1
         assert yaml.safe_load((run / "config.yaml").read_text())["optim"]["lr"] in (1e-3, 3e-3)
     capsys.readouterr()
     stool.main(["status", str(root)])
@@ -189,10 +207,10 @@ def test_slurm_jobs_get_one_task_per_gpu_and_the_stop_signal_before_the_limit(tm
     monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 1))  # no srun on this machine
     args = stool.LauncherArgs(nodes=2, gpus_per_node=4, partition="learn", time=90, signal_delay_s=120,
                               account="team")
-    executor = stool.executor_for(args, tmp_path)
+    executor = stool.executor_for(args, tmp_path, tmp_path / "code")
     script = executor._executor._make_submission_file_text("python -m x", "ID")
     for line in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--partition=learn", "--time=90",
-                 "--signal=USR2@120", "--account=team"):
+                 "--signal=USR2@120", "--account=team", f"--chdir={tmp_path / 'code'}"):
         assert f"#SBATCH {line}" in script, line
 
 
