@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from lingua.args import UserError
-from lingua.pipeline import load_pipeline
+from lingua.pipeline import _slurm_job_active, format_status, launch, load_pipeline, state_of, this_process
 from tests.conftest import REPO, end, offline_data, run_to_the_end, start, tagged_processes
 
 
@@ -278,3 +278,52 @@ def test_table3_debug_pipeline_end_to_end_on_offline_data(tmp_path, corpus):
     again = run_to_the_end(pipeline_command(f"pipeline={path}", "cluster=local", f"data={data}", f"corpus={corpus}"))
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "finetune.bert: started" in again.stdout and "pretrain.bert: started" not in again.stdout
+
+
+def one_stage(tmp_path: Path, run: str) -> Path:
+    return write(tmp_path / "one.yaml", f"""\
+        dump_dir: {tmp_path / "out"}
+        stages:
+          only:
+            run: {run}
+        """)
+
+
+def test_a_stage_whose_command_changed_is_refused_in_one_line(tmp_path, capsys):
+    launch(load_pipeline(str(one_stage(tmp_path, "timeit -n 1 pass"))), ["cluster=local"])
+    changed = load_pipeline(str(one_stage(tmp_path, "timeit -n 2 pass")))
+    with pytest.raises(UserError, match=r"stage only was run with another command \(timeit -n 1 pass\); to run "
+                                        r"`timeit -n 2 pass` instead, stop its job if it has one and remove"):
+        launch(changed, ["cluster=local"])
+    assert commands_run(tmp_path / "out" / "stages" / "only") == 1
+    assert "only   done" in format_status(tmp_path / "out")  # the pipeline's record is the one that ran
+
+
+def test_a_local_stage_is_told_apart_by_host_boot_and_start_time(tmp_path):
+    """A record from another host is that host's business (refused, with what to do if it is gone); one from before
+    this host's last boot, or whose pid and group now belong to processes started at another time, is not running."""
+    pipeline = load_pipeline(str(one_stage(tmp_path, "timeit -n 1 pass")))
+    folder = tmp_path / "out" / "stages" / "only"
+    folder.mkdir(parents=True)
+    here = {**this_process(os.getpgrp()), "line": "timeit -n 1 pass"}
+    (folder / "started.json").write_text(json.dumps({**here, "host": "elsewhere"}))
+    with pytest.raises(UserError, match=r"stage only is running elsewhere \(on host elsewhere, process group "
+                                        rf"{os.getpgrp()}; if that host is gone, remove {folder / 'started.json'}\)"):
+        launch(pipeline, ["cluster=local"])
+    for stale in ({"boot": "another boot"}, {"pid_start": "1", "group_start": "1"}):
+        (folder / "started.json").write_text(json.dumps({**here, **stale}))
+        assert state_of(pipeline.dump_dir, pipeline.stages[0], {}) == "pending"
+    (folder / "started.json").write_text(json.dumps(here))  # this very process
+    assert state_of(pipeline.dump_dir, pipeline.stages[0], {}) == "running"
+
+
+@pytest.mark.parametrize("state,active", [("PENDING", True), ("UNKNOWN", True), ("PREEMPTED", True),
+                                          ("REQUEUE_HOLD", True), ("REQUEUED", True), ("SUSPENDED", True),
+                                          ("COMPLETED", False), ("CANCELLED by 0", False), ("NODE_FAIL", False)])
+def test_every_state_but_a_final_one_is_in_the_schedulers_hands(monkeypatch, state, active):
+    """What submitit reports while sacct lags (UNKNOWN) or during a requeue: a re-run must not submit the stage again.
+    (A real SLURM cannot be made to show each of these on demand.)"""
+    import submitit
+
+    monkeypatch.setattr(submitit.SlurmJob, "state", property(lambda job: state))
+    assert _slurm_job_active({"folder": "/nowhere", "job_id": "1"}) is active

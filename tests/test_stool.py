@@ -1,5 +1,6 @@
 """stool: sweep expansion and naming, dry runs, the code snapshot, a local two-run sweep through submitit, status."""
 
+import dataclasses
 import json
 import pickle
 import shlex
@@ -224,3 +225,20 @@ def test_a_run_submitted_again_is_compared_with_what_was_submitted_not_what_it_d
     assert yaml.safe_load((run.dump_dir / "submitted.yaml").read_text()) == {"steps": 0, "epochs": 2}
     with pytest.raises(UserError, match="already holds a run submitted with another config"):
         stool.prepare(stool.PlannedRun("r", "apps.bert.train", tmp_path / "r", {"steps": 0, "epochs": 3}, {}))
+
+
+def test_run_takes_the_runs_base_config_as_config(tmp_path, corpus, capsys):
+    """`config=PATH` is the run's base config, as documented, not a file of stool's own keys."""
+    stool.main(["run", "script=apps.bert.train", "config=apps/bert/configs/debug.yaml", "gpus_per_node=1",
+                "--dry-run", *tiny_argv(corpus, tmp_path / "one", 4)])
+    assert "python -m apps.bert.train config=apps/bert/configs/debug.yaml dump_dir=" in capsys.readouterr().out
+
+
+def test_no_apps_config_key_is_taken_by_stool():
+    """stool routes its own keys to itself and the rest to the run: a run's top-level key of the same name could
+    never be set."""
+    from lingua.app import registered_apps
+
+    own = {field.name for field in dataclasses.fields(stool.LauncherArgs)}
+    for app in registered_apps():
+        assert not own & {field.name for field in dataclasses.fields(app.args_cls)}, app.name
