@@ -194,3 +194,27 @@ def offline_data(root: Path) -> Path:
     (sts / "sts-test.csv").write_text("".join(f"main-captions\tMSRvid\t2012test\t{i:04d}\t{s:.3f}\t{a}\t{b}\n"
                                               for i, (a, b, s) in enumerate(pairs)))
     return root
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real SLURM cluster for the session (tests/slurm_cluster.py: nodes n1 and n2, 2 GPUs each, accounting);
+    os.environ's SLURM_CONF names it while it runs, so that in-process code (submitit) reaches it. Without root or
+    the binaries the tests that use it are skipped, except under CI=true, where they fail: CI must run them."""
+    from tests.slurm_cluster import TAG, start_cluster, unavailable
+
+    reason = unavailable()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    cluster = start_cluster()
+    with pytest.MonkeyPatch.context() as patch:
+        for key in [k for k in os.environ if k.startswith("SLURM_")]:
+            patch.delenv(key)  # pytest itself may run inside a SLURM job
+        patch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+        patch.setenv(TAG, cluster.env[TAG])
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
