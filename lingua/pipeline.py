@@ -469,7 +469,9 @@ def submit_slurm(pipeline: Pipeline, launcher_argv: list[str], code: Path) -> No
         executor.update_parameters(slurm_job_name=stage.name)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "failed.json").unlink(missing_ok=True)  # submitted again: queued, no longer failed
-        job = executor.submit(stage_job, str(folder), stage, str(code))
+        with stool.refused_by_slurm(f"the job of stage {stage.name}; the stages before it are submitted, and once "
+                                    "this is fixed the same command submits the others"):
+            job = executor.submit(stage_job, str(folder), stage, str(code))
         job_ids[stage.name] = str(job.job_id)
         atomic_write(folder / "job.json", json.dumps({"job_id": str(job.job_id), "folder": str(job.paths.folder),
                                                       "line": stage.line, "code": str(code)}))

@@ -33,6 +33,7 @@ done: lingua/pipeline.py describes its file.
 import contextlib
 import dataclasses
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -283,7 +284,7 @@ def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
     code = snapshot_code(folder / "code")
     executor = executor_for(args, folder / "submitit", code)
     if args.cluster == "slurm":
-        with executor.batch():
+        with refused_by_slurm(f"the job of {len(runs)} run(s): nothing was submitted"), executor.batch():
             jobs = [_submit_one(executor, run, code) for run in runs]
         for run, job in zip(runs, jobs):
             _record(run, job, code)
@@ -304,6 +305,20 @@ def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
     if failed:  # the others ran: a script that runs stool stops here rather than go on without these results
         raise UserError(f"{len(failed)} of {len(runs)} local run(s) failed ({', '.join(failed)}): "
                         f"python -m lingua.stool status {folder} tells why")
+
+
+@contextlib.contextmanager
+def refused_by_slurm(consequence: str):
+    """sbatch's refusal (a partition, memory or GPUs the cluster does not have) as one line: its reason and
+    `consequence`, in place of submitit's traceback and its copy of sbatch's message."""
+    from submitit.core.utils import FailedJobError
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    except FailedJobError as e:
+        reason = "; ".join(line.removeprefix("sbatch: error: ") for line in str(e).splitlines() if line.strip())
+        raise UserError(f"SLURM refused {consequence} ({reason})") from None
 
 
 class _Terminated(Exception):
