@@ -89,29 +89,30 @@ class SlurmCluster:
         return dict(line.split() for line in done.stdout.splitlines()) if done.returncode == 0 else {}
 
     def wait_state(self, job_id, states, timeout: float = 60) -> str:
-        """Waits until some element of the job is in one of `states` (slurmctld's word, else accounting's); that
-        state."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
+        """Waits until some element of the job is in one of `states` (a state or several; slurmctld's word, else
+        accounting's); that state."""
+        states = {states} if isinstance(states, str) else set(states)
+
+        def reached() -> str | None:
             now = list(self.held(job_id).values()) or [row["State"] for row in self.sacct(job_id, ("State",))]
-            if found := [s for s in now if s in states]:
-                return found[0]
-            time.sleep(0.2)
-        raise TimeoutError(f"job {job_id} not in {states} after {timeout} s: {self.held(job_id)}")
+            return next((s for s in now if s in states), None)
+
+        return wait_for(f"job {job_id} in {sorted(states)}", reached, timeout, describe=lambda: self.held(job_id))
 
     def wait_final(self, job_id, timeout: float = 120) -> str:
         """Waits until every element of the job has ended and accounting has its final record, WorkDir included (a
         job that ends within seconds is first recorded without it); COMPLETED if every element completed, else the
         first other final state."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
+
+        def ended() -> str | None:
             held = self.held(job_id)
             rows = {row["JobID"]: row for row in self.sacct(job_id, ("State", "WorkDir"))}
             if rows and set(held) <= set(rows) and all(s in FINAL_STATES for s in held.values()) \
                     and all(row["State"] in FINAL_STATES and row["WorkDir"] for row in rows.values()):
                 return next((r["State"] for r in rows.values() if r["State"] != "COMPLETED"), "COMPLETED")
-            time.sleep(0.2)
-        raise TimeoutError(f"job {job_id} not ended after {timeout} s: {self.held(job_id)}, {self.sacct(job_id)}")
+            return None
+
+        return wait_for(f"job {job_id} ended", ended, timeout, describe=lambda: (self.held(job_id), self.sacct(job_id)))
 
     def queue(self) -> list[str]:
         """The ids of the jobs squeue lists (array elements as 12_3, pending rest as 12_[4-9])."""
@@ -179,7 +180,7 @@ def write_configs(root: Path, ports: dict) -> None:
         nodes.append(f"NodeName={node} Port={ports[node]} CPUs=4 RealMemory=1024 Gres=gpu:{GPUS_PER_NODE} "
                      "State=UNKNOWN")
         gres.append(f"NodeName={node} Name=gpu File={root}/dev/{node}/nvidia[0-{GPUS_PER_NODE - 1}]")
-    socket_ = f"{root}/run/munge.socket"
+    munge_socket = f"{root}/run/munge.socket"
     (etc / "slurm.conf").write_text(f"""\
 ClusterName=lingua
 SlurmctldHost={host}(127.0.0.1)
@@ -188,7 +189,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 # A requeued job waits cred_expire seconds (120 by default) before it may start again.
-AuthInfo=socket={socket_},cred_expire=10
+AuthInfo=socket={munge_socket},cred_expire=10
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
@@ -200,24 +201,22 @@ JobAcctGatherType=jobacct_gather/linux
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 GresTypes=gpu
+# Each node declares 4 CPUs on a machine that may have 2: slurmd registers what this file says.
 SlurmdParameters=config_overrides
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStoragePort={ports['slurmdbd']}
-# How clients and slurmctld reach munged when they talk to slurmdbd (AuthInfo is for slurmctld and slurmd only).
-AccountingStoragePass={socket_}
+# The munge socket for messages to slurmdbd (AuthInfo's serves those to slurmctld and slurmd).
+AccountingStoragePass={munge_socket}
 AccountingStorageTRES=gres/gpu
+# Schedule at once (FIFO), kill a cancelled job's leftovers after 2 s; slurmctld forgets a job 5 s after its end
+# (sacct still tells), requeue is allowed, and a node that comes back is usable again.
 SchedulerType=sched/builtin
 SchedulerParameters=batch_sched_delay=0,sched_interval=1
 MinJobAge=5
 KillWait=2
-MessageTimeout=10
-TCPTimeout=5
-InactiveLimit=0
-Waittime=0
 JobRequeue=1
 ReturnToService=2
-MpiDefault=none
 MailProg=/bin/true
 {chr(10).join(nodes)}
 PartitionName=main Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
@@ -226,7 +225,7 @@ PartitionName=main Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
     dbd = etc / "slurmdbd.conf"
     dbd.write_text(f"""\
 AuthType=auth/munge
-AuthInfo=socket={socket_}
+AuthInfo=socket={munge_socket}
 DbdHost={host}
 DbdAddr=127.0.0.1
 DbdPort={ports['slurmdbd']}
@@ -241,18 +240,25 @@ PidFile={root}/run/slurmdbd.pid
     dbd.chmod(0o600)
 
 
-def wait_for(what: str, ready, timeout: float, log: Path | None = None) -> None:
-    """Polls `ready()` (exceptions count as not ready) until true; else raises, quoting the end of `log`."""
+def wait_for(what: str, ready, timeout: float, log: Path | None = None, describe=None):
+    """Polls `ready()` until it returns something true, and returns that. An exception counts as not yet: a daemon
+    still starting, or a client timing out on a loaded machine. On timeout, the error quotes the last exception,
+    `describe()` and the end of `log`."""
     deadline, error = time.time() + timeout, None
     while time.time() < deadline:
         try:
-            if ready():
-                return
-        except Exception as e:  # a daemon still starting fails in many ways
+            if result := ready():
+                return result
+        except Exception as e:
             error = e
         time.sleep(0.1)
-    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-    raise RuntimeError(f"{what} not ready after {timeout} s ({error})\n{tail}")
+    details = [f"last error: {error}"] if error else []
+    if describe is not None:
+        with contextlib.suppress(Exception):
+            details.append(f"now: {describe()}")
+    if log is not None and log.exists():
+        details.append(log.read_text()[-3000:])
+    raise TimeoutError("\n".join([f"{what}: not after {timeout} s", *details]))
 
 
 def start_cluster() -> SlurmCluster:

@@ -1,7 +1,7 @@
 """The SLURM cluster fixture itself: two nodes with 2 GPUs each, accounting, multi-node steps, GPU binding and
 requeue, so that a launcher test failing there points at the launcher."""
 
-import time
+from tests.slurm_cluster import wait_for
 
 
 def test_both_nodes_have_two_gpus(slurm_cluster):
@@ -45,12 +45,9 @@ def test_a_requeued_job_runs_again(slurm_cluster, tmp_path):
     out = tmp_path / "out.txt"
     job = slurm_cluster.run("sbatch", "--parsable", "--open-mode=append", "-o", str(out), "--wrap",
                             "echo started; sleep 120").strip()
-    slurm_cluster.wait_state(job, {"RUNNING"})
+    slurm_cluster.wait_state(job, "RUNNING")
     slurm_cluster.run("scontrol", "requeue", job)
-    deadline = time.time() + 60
-    while out.read_text().count("started") < 2 and time.time() < deadline:
-        time.sleep(0.2)
-    assert out.read_text().count("started") == 2
+    wait_for("the second run", lambda: out.read_text().count("started") == 2, 60)  # after cred_expire seconds
     assert "Restarts=1" in slurm_cluster.run("scontrol", "show", "job", job)
     slurm_cluster.run("scancel", job)
     assert slurm_cluster.wait_final(job) == "CANCELLED"
