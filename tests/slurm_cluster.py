@@ -88,16 +88,19 @@ class SlurmCluster:
                               capture_output=True, text=True, timeout=60)
         return dict(line.split() for line in done.stdout.splitlines()) if done.returncode == 0 else {}
 
+    def states(self, job_id) -> list[str]:
+        """The state of each element of the job: slurmctld's while it holds the job, else accounting's."""
+        return list(self.held(job_id).values()) or [row["State"] for row in self.sacct(job_id, ("State",))]
+
     def wait_state(self, job_id, states, timeout: float = 60) -> str:
-        """Waits until some element of the job is in one of `states` (a state or several; slurmctld's word, else
-        accounting's); that state."""
-        states = {states} if isinstance(states, str) else set(states)
+        """Waits until some element of the job is in one of `states` (a state or several; see `states`); that
+        state."""
+        wanted = {states} if isinstance(states, str) else set(states)
 
         def reached() -> str | None:
-            now = list(self.held(job_id).values()) or [row["State"] for row in self.sacct(job_id, ("State",))]
-            return next((s for s in now if s in states), None)
+            return next((s for s in self.states(job_id) if s in wanted), None)
 
-        return wait_for(f"job {job_id} in {sorted(states)}", reached, timeout, describe=lambda: self.held(job_id))
+        return wait_for(f"job {job_id} in {sorted(wanted)}", reached, timeout, describe=lambda: self.held(job_id))
 
     def wait_final(self, job_id, timeout: float = 120) -> str:
         """Waits until every element of the job has ended and accounting has its final record, WorkDir included (a
@@ -170,6 +173,7 @@ def kill_tagged(tag: str, timeout: float = 30) -> None:
 def write_configs(root: Path, ports: dict) -> None:
     """slurm.conf, gres.conf and slurmdbd.conf under ROOT/etc; two stand-in GPUs per node under ROOT/dev/NODE."""
     host = socket.gethostname().split(".")[0]
+    memory_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
     etc = root / "etc"
     nodes, gres = [], []
     for node in NODES:
@@ -177,7 +181,7 @@ def write_configs(root: Path, ports: dict) -> None:
         for i in range(GPUS_PER_NODE):
             # Slurm only stats the files (major 195 is NVIDIA's); the jobs read CUDA_VISIBLE_DEVICES.
             os.mknod(root / "dev" / node / f"nvidia{i}", 0o600 | 0o020000, os.makedev(195, i))
-        nodes.append(f"NodeName={node} Port={ports[node]} CPUs=4 RealMemory=1024 Gres=gpu:{GPUS_PER_NODE} "
+        nodes.append(f"NodeName={node} Port={ports[node]} CPUs=4 RealMemory={memory_mb} Gres=gpu:{GPUS_PER_NODE} "
                      "State=UNKNOWN")
         gres.append(f"NodeName={node} Name=gpu File={root}/dev/{node}/nvidia[0-{GPUS_PER_NODE - 1}]")
     munge_socket = f"{root}/run/munge.socket"
@@ -198,6 +202,7 @@ SlurmdPidFile={root}/run/slurmd-%n.pid
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/linux
+# CPUs and GPUs are allocated, memory is only checked: both nodes declare all of the machine's.
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 GresTypes=gpu
