@@ -45,6 +45,12 @@ def wait_for(condition, timeout: float = 120, what: str = "") -> None:
         time.sleep(0.2)
 
 
+def log(dump_dir: Path) -> str:
+    """A run's train.log, for a failed assertion's message."""
+    path = dump_dir / "train.log"
+    return path.read_text() if path.exists() else "(no train.log)"
+
+
 def steps_logged(dump_dir: Path) -> list[int]:
     lines = [json.loads(line) for line in (dump_dir / "metrics.jsonl").read_text().splitlines()]
     return [record["step"] for record in lines if "loss" in record]
@@ -65,7 +71,7 @@ def test_a_run_with_its_config_runs_the_code_it_was_submitted_with(slurm_cluster
         (repo / "lingua" / "train.py").write_text("raise SystemExit('the edited repository ran')\n")
     finally:
         slurm_cluster.run("scontrol", "update", "PartitionName=main", "State=UP")
-    assert slurm_cluster.wait_final(job_id(dump)) == "COMPLETED", (dump / "train.log").read_text()
+    assert slurm_cluster.wait_final(job_id(dump)) == "COMPLETED", log(dump)
     code = Path(json.loads((dump / "job.json").read_text())["code"])
     assert code.parent == dump / "code" and (code / "lingua" / "train.py").read_text().startswith('"""')
     assert slurm_cluster.sacct(job_id(dump))[0]["WorkDir"] == str(code)
@@ -104,7 +110,7 @@ def test_a_sweep_is_one_job_array_and_status_reads_it(slurm_cluster, corpus, tmp
 def test_runs_train_with_one_rank_per_task_on_one_or_two_nodes(slurm_cluster, corpus, tmp_path, launcher, nodes):
     dump = tmp_path / "run"
     stool(slurm_cluster, "run", "script=apps.bert.train", *launcher, *SMALL_JOB, *run_argv(corpus, dump, 5))
-    assert slurm_cluster.wait_final(job_id(dump)) == "COMPLETED", (dump / "train.log").read_text()
+    assert slurm_cluster.wait_final(job_id(dump)) == "COMPLETED", log(dump)
     ranks = 2 if launcher != ["gpus_per_node=1"] else 1
     assert f"on {ranks} process(es) ({'slurm' if ranks > 1 else 'single'}, cpu" in (dump / "train.log").read_text()
     assert steps_logged(dump) == list(range(1, 6))  # one line per step, from rank 0 alone
@@ -121,7 +127,7 @@ def test_the_preemption_signal_saves_requeues_and_resumes_exactly(slurm_cluster,
     job = job_id(dump)
     wait_for(lambda: (dump / "metrics.jsonl").exists() and len(steps_logged(dump)) >= 20, what="step 20")
     slurm_cluster.run("scancel", "--signal=USR2", job)
-    assert slurm_cluster.wait_final(job, timeout=240) == "COMPLETED", (dump / "train.log").read_text()
+    assert slurm_cluster.wait_final(job, timeout=240) == "COMPLETED", log(dump)
     attempts = slurm_cluster.run("sacct", "-j", job, "-D", "-X", "-n", "-P", "-o", "State").split()
     assert attempts[0] == "REQUEUED" and attempts[-1] == "COMPLETED", attempts
     assert steps_logged(dump) == list(range(1, steps + 1))
