@@ -329,10 +329,12 @@ def state_of(dump_dir: Path, stage: Stage, states: dict[str, str]) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """A stage's record (a JSON object), or None: absent, or not one (half-written by hand, say)."""
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def _alive(started: dict[str, Any] | None) -> bool:
