@@ -12,16 +12,19 @@ name="bytes": one id per UTF-8 byte (0..255), for tiny tests:
 `encode(text)` adds no special tokens and treats every string, "<|endoftext|>" included, as ordinary text;
 `decode(ids)` drops the four special ids.
 
-The r50k_base file is looked up in this order, so that nothing is downloaded when a local copy exists:
-1. `TokenizerArgs.path`, when set;
+The r50k_base file is found by its name and checksum, not by its path, so that a run's config (which may hold the
+absolute path of another machine) opens anywhere the same file is. It is looked up in this order, so that nothing is
+downloaded when a local copy exists:
+1. `TokenizerArgs.path`, when set and the file exists;
 2. `$LINGUA_TOKENIZER_DIR/r50k_base.tiktoken` (default dir ~/.cache/lingua), written by setup/fetch_tokenizer.py;
-3. tiktoken's own `get_encoding("r50k_base")`, which downloads the file (and caches it).
-A local file must match tiktoken's published sha256 for r50k_base.
+3. tiktoken's own `get_encoding("r50k_base")`, which downloads the file (and caches it) and checks its hash.
+A local file must match tiktoken's published sha256 for r50k_base: one that does not is refused, never skipped.
 """
 
 import base64
 import functools
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,8 @@ import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
 from lingua.args import UserError, require
+
+logger = logging.getLogger(__name__)
 
 # tiktoken's published hash of r50k_base.tiktoken (tiktoken_ext/openai_public.py)
 R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -40,7 +45,7 @@ FETCH_HINT = "run `python setup/fetch_tokenizer.py` or set tokenizer.path to a r
 @dataclass
 class TokenizerArgs:
     name: str = "gpt2"  # "gpt2" | "bytes"
-    path: str = ""  # local r50k_base.tiktoken file (gpt2 only); empty = default location, then tiktoken
+    path: str = ""  # local r50k_base.tiktoken file (gpt2 only); empty or absent: default location, then tiktoken
 
     def __post_init__(self):
         require(self.name in ("gpt2", "bytes"), "name", f"must be 'gpt2' or 'bytes', got '{self.name}'")
@@ -103,12 +108,19 @@ def _r50k_from_file(path: str) -> tiktoken.Encoding:
 
 def _r50k(path: str) -> tiktoken.Encoding:
     default = default_tokenizer_dir() / R50K_FILENAME
-    if path or default.exists():
-        return _r50k_from_file(path or str(default))
+    if path and Path(path).exists():
+        return _r50k_from_file(path)
+    if path:  # e.g. another machine's location, stored in the config of a run copied here
+        logger.warning(f"tokenizer.path {path} does not exist: looking for r50k_base (sha256 {R50K_SHA256[:12]}...) "
+                       f"in {default}, then through tiktoken")
+    if default.exists():
+        return _r50k_from_file(str(default))
     try:
         return tiktoken.get_encoding("r50k_base")
     except (OSError, ValueError) as e:  # no network (requests errors are OSErrors) or a corrupt download
-        raise UserError(f"r50k_base is not in {default} and tiktoken could not fetch it; {FETCH_HINT}") from e
+        where = f"neither at {path} nor at {default}" if path else f"not at {default}"
+        raise UserError(f"r50k_base (sha256 {R50K_SHA256[:12]}...) is {where}, and tiktoken could not fetch it; "
+                        f"{FETCH_HINT}") from e
 
 
 def build_tokenizer(args: TokenizerArgs) -> BytesTokenizer | TiktokenTokenizer:

@@ -79,11 +79,26 @@ def test_sha256_mismatch_is_a_user_error(tmp_path, no_network, monkeypatch):
 
 
 def test_missing_file_is_a_user_error(tmp_path, no_network, monkeypatch):
-    with pytest.raises(UserError, match="cannot read.*fetch_tokenizer"):
-        build_tokenizer(TokenizerArgs(path=str(tmp_path / "absent.tiktoken")))
     monkeypatch.setenv("LINGUA_TOKENIZER_DIR", str(tmp_path))  # nothing there, and tiktoken cannot download
-    with pytest.raises(UserError, match="fetch_tokenizer"):
+    with pytest.raises(UserError, match="neither at .*absent.tiktoken nor at .*fetch_tokenizer"):
+        build_tokenizer(TokenizerArgs(path=str(tmp_path / "absent.tiktoken")))
+    with pytest.raises(UserError, match="not at .*fetch_tokenizer"):
         build_tokenizer(TokenizerArgs())
+
+
+def test_a_stored_path_absent_here_finds_the_file_by_its_checksum(r50k_file, no_network, tmp_path, monkeypatch):
+    """A run's config holds another machine's tokenizer.path: the same file in this machine's default location is
+    used; a file of another checksum there is refused."""
+    elsewhere = str(tmp_path / "colleague" / R50K_FILENAME)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.setenv("LINGUA_TOKENIZER_DIR", str(here))
+    (here / R50K_FILENAME).write_text("SGVsbG8= 0\n")
+    with pytest.raises(UserError, match=f"{here / R50K_FILENAME} is not r50k_base \\(sha256 mismatch"):
+        build_tokenizer(TokenizerArgs(path=elsewhere))
+    shutil.copy(r50k_file, here / R50K_FILENAME)
+    tok = build_tokenizer(TokenizerArgs(path=elsewhere))
+    assert tok.vocab_size == 50261 and tok.encode("Hello world") == [15496, 995]
 
 
 def test_unknown_name():
