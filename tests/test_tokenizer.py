@@ -1,7 +1,8 @@
 import io
 import shutil
+import subprocess
 import tarfile
-import zipfile
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -117,18 +118,16 @@ def make_sdist(path: Path) -> Path:
     return path
 
 
-def test_fetch_reads_sdist_and_wheel(tmp_path):
+def test_fetch_reads_the_sdist(tmp_path):
     fetch = load_setup_script("fetch_tokenizer")
     assert fetch.read_member(make_sdist(tmp_path / "w.tar.gz")) == MEMBER
-    with zipfile.ZipFile(tmp_path / "w.whl", "w") as zf:
-        zf.writestr("whisper/assets/gpt2.tiktoken", MEMBER)
-    assert fetch.read_member(tmp_path / "w.whl") == MEMBER
 
 
 def test_fetch_rejects_wrong_hash(tmp_path, monkeypatch):
     fetch = load_setup_script("fetch_tokenizer")
     monkeypatch.setattr(fetch, "download_whisper", lambda tmp: make_sdist(tmp / "w.tar.gz"))
-    with pytest.raises(UserError, match="does not match"):
+    monkeypatch.setattr(fetch, "check_archive", lambda archive: None)  # the member's own check
+    with pytest.raises(UserError, match="does not match r50k_base's sha256"):
         fetch.fetch(tmp_path / "out")
     assert not (tmp_path / "out" / R50K_FILENAME).exists()
 
@@ -138,3 +137,24 @@ def test_fetch_skips_verified_file(r50k_file, tmp_path, monkeypatch):
     shutil.copy(r50k_file, tmp_path / R50K_FILENAME)
     monkeypatch.setattr(fetch, "download_whisper", lambda tmp: pytest.fail("downloaded again"))
     assert fetch.fetch(tmp_path) == tmp_path / R50K_FILENAME
+
+
+def test_fetch_runs_nothing_of_the_archive_and_refuses_another_before_opening_it(tmp_path, monkeypatch):
+    """openai-whisper publishes a source archive only: `pip download` would run its build code (setup.py) before any
+    hash were checked. The archive is downloaded as a file, and one of another sha256 is refused before it is opened."""
+    fetch = load_setup_script("fetch_tokenizer")
+    archive = tmp_path / "served.tar.gz"
+    with tarfile.open(archive, "w:gz") as tf:
+        code = f"open({str(tmp_path / 'built')!r}, 'w').write('ran')\n".encode()
+        info = tarfile.TarInfo("openai_whisper-20250625/setup.py")
+        info.size = len(code)
+        tf.addfile(info, io.BytesIO(code))
+    served = []
+    monkeypatch.setattr(urllib.request, "urlopen",
+                        lambda url, timeout: served.append(url) or open(archive, "rb"))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"a process was started: {a}"))
+    monkeypatch.setattr(fetch.tarfile, "open", lambda *a, **k: pytest.fail("an unchecked archive was opened"))
+    with pytest.raises(UserError, match="openai_whisper-20250625.tar.gz does not match the sha256 PyPI publishes"):
+        fetch.fetch(tmp_path / "out")
+    assert served == [fetch.ARCHIVE_URL] and not (tmp_path / "built").exists()
+    assert not (tmp_path / "out").exists()
