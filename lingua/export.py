@@ -20,12 +20,16 @@ return the model's `pooler_output`, and a model card (`README.md`). Vectors and 
   and `tokenizer(text, split_special_tokens=True)`, read them as text, as Lingua does and as every other export's
   tokenizer does.
 
-Needs `transformers` (its tiktoken converter builds the tokenizer); files of an earlier export in FOLDER are replaced.
+Needs `transformers` (its tiktoken converter builds the tokenizer). FOLDER is new, empty or an earlier export (its
+`lingua_export.json` names the files it holds); any other folder is refused. The export is written beside it,
+flushed to disk, then renamed into its place: a reader, or a kill at any moment, sees the earlier export whole or the
+new one, never a mix (a kill between the two renames is repaired by the next export into FOLDER).
 """
 
 import importlib.util
 import json
 import logging
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +42,7 @@ from lingua.checkpoint import Checkpoint
 from lingua.embed import Embedder, load_embedder
 from lingua.eval.glue import TASKS
 from lingua.eval.report import format_table
-from lingua.files import atomic_write
+from lingua.files import atomic_write, fsync_dir
 from lingua.masking import MaskedLMHead
 from lingua.metrics import setup_logging
 from lingua.transformer import ffn_hidden_dim, head_dim_of
@@ -49,6 +53,7 @@ TEMPLATE_DIR = Path(__file__).parent / "export_template"
 CODE_FILES = ("configuration_lingua.py", "modeling_lingua.py")
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<mask>")  # at the tokenizer's bos, eos, pad and mask ids, in this order
 NEEDED_PACKAGES = ("transformers", "tokenizers", "safetensors")
+MARKER = "lingua_export.json"  # in every export: what a later export into the same folder may replace
 
 
 @dataclass
@@ -66,9 +71,9 @@ def export(args: ExportArgs) -> Path:
     missing = [name for name in NEEDED_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         raise UserError(f"export needs {', '.join(missing)}: pip install {' '.join(missing)}")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"out={out} is a file, not a folder")
+    out = Path(args.out).resolve()  # `out=.` has a name, and a link the folder it points to
+    check_replaceable(out)
+    repair_interrupted(out)
     checkpoint = Checkpoint.open(args.ckpt)
     embedder = load_embedder(str(checkpoint.path), "cpu", args.pooling, args.max_len)
     params = checkpoint.params
@@ -86,14 +91,60 @@ def export(args: ExportArgs) -> Path:
         "tokenizer_config.json": json_text(tokenizer_config(embedder, parse_special_tokens=masked_lm is not None)),
         **sentence_transformers_files(embedder.max_len),
         "README.md": model_card(checkpoint.path, params, embedder, pooler, config),
+        "model.safetensors": safetensors_bytes(hf_state_dict(model, pooler, masked_lm)),
     }
+    files[MARKER] = json_text({"exported_by": "python -m lingua.export", "ckpt": str(checkpoint.path),
+                               "files": sorted([*files, MARKER])})
     try:
-        for name, text in files.items():
-            atomic_write(out / name, text)
-        atomic_write(out / "model.safetensors", safetensors_bytes(hf_state_dict(model, pooler, masked_lm)))
+        write_folder(out, files)
     except OSError as e:
         raise UserError(f"cannot write {out}: {e.strerror}") from None
     return out
+
+
+# ---------------------------------------------------------------------------------------------- the folder
+
+
+def check_replaceable(out: Path) -> None:
+    """The export goes into a new or empty folder, or over an earlier export: never over files of another kind."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"out={out} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise UserError(f"out={out} holds files that are not an export (no {MARKER}): export into a new or empty "
+                        "folder, or over an earlier export")
+
+
+def beside(out: Path) -> tuple[Path, Path]:
+    """The folders an export uses next to `out`: the new export being written, the earlier one renamed aside."""
+    return out.with_name(f".{out.name}.export-partial"), out.with_name(f".{out.name}.export-previous")
+
+
+def repair_interrupted(out: Path) -> None:
+    """Clears what an interrupted export (killed, or failed) left: an earlier export renamed aside goes back in
+    place when no new one took it, else it goes; a partial one goes."""
+    partial, previous = beside(out)
+    if (previous / MARKER).is_file() and not out.exists():
+        previous.rename(out)
+    for folder in (partial, previous):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_folder(out: Path, files: dict[str, str | bytes]) -> None:
+    """Writes the files into a new folder beside `out`, flushed to disk, then renames it into out's place (an
+    earlier export is renamed aside first and removed last). A failure leaves the earlier export in place."""
+    partial, previous = beside(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial.mkdir()
+    try:
+        for name, data in files.items():
+            atomic_write(partial / name, data)
+        fsync_dir(partial)
+        if out.exists():
+            out.rename(previous)
+        partial.rename(out)
+        fsync_dir(out.parent)
+    finally:
+        repair_interrupted(out)
 
 
 def json_text(value) -> str:

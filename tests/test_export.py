@@ -14,11 +14,11 @@ import torch
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
-from lingua.args import load_config, to_dict
+from lingua.args import UserError, load_config, to_dict
 from lingua.checkpoint import build_from_params, export_consolidated, load_model
 from lingua.embed import load_embedder
 from lingua.eval.features import encode_example, pad_batch
-from lingua.export import ExportArgs, export, main
+from lingua.export import MARKER, ExportArgs, beside, export, main
 from lingua.tokenizer import R50K_FILENAME, default_tokenizer_dir
 from lingua.train import train
 from tests.conftest import tiny_argv, write_corpus
@@ -182,3 +182,69 @@ def test_help_and_one_line_errors(runs, tmp_path, capsys):
         assert exit_info.value.code == 2 and err.startswith("error: ") and message in err, err
         assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "hf").exists()
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_a_folder_that_is_not_an_export_is_refused_and_left_untouched(runs, tmp_path, capsys):
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "README.md").write_text("not a model card\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main([f"ckpt={runs['mean']}", f"out={folder}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and "not an export" in err, err
+    assert len(err.strip().splitlines()) == 1 and str(folder) in err, err
+    assert files_of(folder) == {"README.md": b"not a model card\n"} and sorted(tmp_path.iterdir()) == [folder]
+
+
+def test_an_export_replaces_an_earlier_one_whole(runs, tmp_path):
+    """No file of the earlier export stays (here one that the new export does not write) and nothing is left
+    beside the folder."""
+    folder = export_to(tmp_path / "hf", runs["attention"])
+    (folder / "stale.bin").write_bytes(b"from an earlier export")
+    export_to(folder, runs["mean"])
+    listed = json.loads((folder / MARKER).read_text())["files"]
+    assert sorted(files_of(folder)) == listed and "model.safetensors" in listed
+    assert json.loads((folder / "config.json").read_text())["pooling"] == "mean"
+    assert sorted(tmp_path.iterdir()) == [folder]
+
+
+def fail_on_weights(monkeypatch) -> None:
+    """The export's write of model.safetensors fails, after its other files were written."""
+    from lingua import export as export_module
+
+    def atomic_write(path, data):
+        if Path(path).name == "model.safetensors":
+            raise OSError(28, "No space left on device")
+        return real(path, data)
+    real = export_module.atomic_write
+    monkeypatch.setattr(export_module, "atomic_write", atomic_write)
+
+
+def test_a_failed_export_leaves_the_earlier_one_whole(runs, tmp_path, monkeypatch, capsys):
+    folder = export_to(tmp_path / "hf", runs["attention"])
+    earlier = files_of(folder)
+    fail_on_weights(monkeypatch)
+    with pytest.raises(SystemExit):
+        main([f"ckpt={runs['mean']}", f"out={folder}"])
+    assert "No space left on device" in capsys.readouterr().err
+    assert files_of(folder) == earlier and sorted(tmp_path.iterdir()) == [folder]
+    assert_transformers_matches(folder, load_embedder(str(runs["attention"]), "cpu"))
+
+
+def test_an_export_killed_between_its_renames_is_repaired_by_the_next(runs, tmp_path, monkeypatch):
+    """Killed after the earlier export went aside and before the new one came in: the next export puts the earlier
+    one back before it starts (here it then fails, and the earlier one stays)."""
+    folder = export_to(tmp_path / "hf", runs["attention"])
+    earlier = files_of(folder)
+    partial, previous = beside(folder)
+    folder.rename(previous)
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")
+    fail_on_weights(monkeypatch)
+    with pytest.raises(UserError, match="cannot write"):
+        export_to(folder, runs["mean"])
+    assert files_of(folder) == earlier and sorted(tmp_path.iterdir()) == [folder]
