@@ -38,6 +38,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import shlex
 import shutil
 import signal
@@ -66,6 +67,7 @@ from lingua.metrics import read_metrics
 CODE_PACKAGES = ("lingua", "apps")  # copied whole (configs and data files too) into every run's dump_dir/code
 PATH_KEYS = ("dump_dir", "data.root_dir", "data.path", "data.tokenizer.path", "init_from", "eval.data")  # made absolute
 CLUSTERS = ("slurm", "local")
+JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # submitit's job ids: SLURM's (JOB_TASK in an array), a local job's pid
 
 
 @dataclass
@@ -164,6 +166,9 @@ def plan_sweep(sweep_file: str) -> tuple[Path, list[PlannedRun], dict[str, Any]]
     root = Path(spec["dump_dir"]).expanduser().resolve()
     named = [setting.pop("name", None) for setting in settings]
     planned, names = [], [given or made for given, made in zip(named, run_names(settings))]
+    if not all(map(is_folder_name, names)):
+        raise UserError(f"sweep file {sweep_file}: run name '{next(n for n in names if not is_folder_name(n))}' is "
+                        "not a folder name (no /, not . or ..)")
     if len(set(names)) < len(names):
         raise UserError(f"sweep file {sweep_file}: two runs are named {max(names, key=names.count)}")
     for name, setting in zip(names, settings):
@@ -248,12 +253,13 @@ def prepare(run: PlannedRun) -> None:
     atomic_write(submitted, yaml.safe_dump(run.config, sort_keys=False))
 
 
-def train_job(script: str, config_file: str) -> dict[str, Any]:
-    """What a job runs, in the run's code folder (its working directory): the app's training, in-process."""
+def train_job(script: str, config_file: str) -> None:
+    """What a job runs, in the run's code folder (its working directory): the app's training, in-process. It returns
+    nothing, so that submitit's result file holds plain data that status reads without running code."""
     from lingua.train import train
 
     app = import_module(script).APP
-    return train(app, load_config(app.args_cls, [f"config={config_file}"]))
+    train(app, load_config(app.args_cls, [f"config={config_file}"]))
 
 
 def executor_for(args: LauncherArgs, folder: Path, code: Path, **sbatch_options: str):
@@ -366,21 +372,24 @@ def _record(run: PlannedRun, job, code: Path) -> None:
 
 def describe(dump_dir: Path) -> dict[str, Any]:
     """A run's state (missing, pending, running, finished, failed), its reason, last step, loss and val loss, from
-    its dump_dir alone (metrics.jsonl, config.yaml, and submitit's result file)."""
+    its dump_dir alone (metrics.jsonl, config.yaml, job.json and submitit's result file). What cannot be read (a
+    damaged or hand-made file) is the row's reason, never an error."""
     info = {"state": "missing", "reason": "", "step": None, "loss": None, "val_loss": None}
     if not dump_dir.is_dir():
         return info
-    steps = None
-    if (dump_dir / "config.yaml").exists():
-        steps = (yaml.safe_load((dump_dir / "config.yaml").read_text()) or {}).get("steps")
-    for record in read_metrics(dump_dir / "metrics.jsonl"):
-        info["step"] = record.get("step", info["step"])
-        info["loss"] = record.get("loss", info["loss"])
-        info["val_loss"] = record.get("val/loss", info["val_loss"])
+    config = _read_yaml_mapping(dump_dir / "config.yaml")
+    steps = config.get("steps") if isinstance(config.get("steps"), int) else None
+    for record in read_metrics(dump_dir / "metrics.jsonl") if (dump_dir / "metrics.jsonl").is_file() else []:
+        if isinstance(record, dict):
+            info["step"] = record["step"] if isinstance(record.get("step"), int) else info["step"]
+            info["loss"] = record.get("loss", info["loss"])
+            info["val_loss"] = record.get("val/loss", info["val_loss"])
     outcome, reason = job_outcome(dump_dir)
     if outcome == "error":
         info["state"], info["reason"] = "failed", reason
-    elif steps is not None and info["step"] is not None and info["step"] >= steps:
+        return info
+    info["reason"] = reason  # why the job's outcome is unknown, if it is
+    if steps is not None and info["step"] is not None and info["step"] >= steps:
         info["state"] = "finished"
     elif outcome == "success" and not _newer_log(dump_dir):
         info["state"], info["reason"] = "stopped", "the job ended before the last step (a stop signal: resubmit)"
@@ -389,42 +398,111 @@ def describe(dump_dir: Path) -> dict[str, Any]:
     return info
 
 
+def _read_yaml_mapping(path: Path) -> dict[str, Any]:
+    """A YAML file's mapping; {} when it is absent, not a mapping or does not parse."""
+    try:
+        tree = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return tree if isinstance(tree, dict) else {}
+
+
 def _newer_log(dump_dir: Path) -> bool:
     """A requeued job writes its log after the result file of its previous attempt."""
-    results, log = _result_files(dump_dir), dump_dir / "train.log"
+    job, _ = read_job_record(dump_dir)
+    results, log = _result_files(dump_dir, job["job_id"]) if job else [], dump_dir / "train.log"
     return bool(results) and log.exists() and log.stat().st_mtime > max(r.stat().st_mtime for r in results)
 
 
-def _result_files(dump_dir: Path) -> list[Path]:
-    """submitit's result files of the run's job (one per task), from the job.json stool wrote at submission."""
+def read_job_record(folder: Path) -> tuple[dict[str, Any] | None, str]:
+    """(folder/job.json, the record stool wrote at submission, or None; why it is None when the file is there but
+    unusable: not a JSON object, or no job id of submitit's form). Only its job id is trusted, never a path."""
+    path = folder / "job.json"
+    if not path.exists():
+        return None, ""
     try:
-        job = json.loads((dump_dir / "job.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return []
-    return sorted(Path(job["folder"]).glob(f"{job['job_id']}_*_result.pkl"))
+        record = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        record = None
+    if not isinstance(record, dict) or not JOB_ID.fullmatch(str(record.get("job_id", ""))):
+        return None, f"unreadable job record ({path})"
+    return {**record, "job_id": str(record["job_id"])}, ""
+
+
+def submitit_folder(dump_dir: Path) -> Path:
+    """The submitit folder stool chose for the run's job: its sweep's for a run of a sweep, its own otherwise. It is
+    derived from where the run is, never read from a file of the run."""
+    return dump_dir.parent / "submitit" if (dump_dir.parent / "sweep.json").exists() else dump_dir / "submitit"
+
+
+def _result_files(dump_dir: Path, job_id: str) -> list[Path]:
+    """submitit's result files of the job (one per task, by task), in the run's submitit folder: plain files, a link
+    (which could lead anywhere) ignored."""
+    names = re.compile(re.escape(job_id) + r"_([0-9]+)_result\.pkl")
+    found = [(int(match[1]), path) for path in submitit_folder(dump_dir).glob(f"{job_id}_*_result.pkl")
+             if (match := names.fullmatch(path.name)) and path.is_file() and not path.is_symlink()]
+    return [path for _, path in sorted(found)]
+
+
+class _CodeInPickle(pickle.UnpicklingError):
+    """A pickle that names a global: loading it would call code."""
+
+
+class _PlainData(pickle.Unpickler):
+    """Loads plain data only (str, bytes, numbers, None, tuples, lists, dicts, sets): a pickle builds any other object
+    by calling a global it names, and every global is refused, so loading runs no code."""
+
+    def find_class(self, module: str, name: str):
+        raise _CodeInPickle(f"it names {f'{module}.{name}'!r}")  # quoted: the names are the pickle's, any text
 
 
 def job_outcome(dump_dir: Path) -> tuple[str | None, str]:
-    """('success' | 'error' | None, the error's last line) from submitit's result file of the run's job."""
-    results = _result_files(dump_dir)
+    """('success' | 'error' | None, the error's last line, or why the outcome is unknown) from submitit's result
+    file of the run's job (a pickle: ("success", None) or ("error", the traceback)), read as plain data."""
+    job, problem = read_job_record(dump_dir)
+    results = _result_files(dump_dir, job["job_id"]) if job else []
     if not results:
-        return None, ""
-    with open(results[0], "rb") as f:
-        outcome, value = pickle.load(f)
+        return None, problem
+    try:
+        with open(results[0], "rb") as f:
+            result = _PlainData(f).load()
+    except _CodeInPickle as e:
+        return None, f"job result {results[0]} refused: {e}"
+    except Exception:  # a truncated or garbled pickle fails in many ways (EOF, bad opcodes, bad lengths)
+        result = None
+    if not (isinstance(result, tuple) and len(result) == 2 and result[0] in ("success", "error")):
+        return None, f"unreadable job result ({results[0]})"
+    outcome, value = result
     if outcome == "success":
         return "success", ""
-    lines = [line for line in str(value).strip().splitlines() if line.strip()]
+    lines = [line for line in value.strip().splitlines() if line.strip()] if isinstance(value, str) else []
     return "error", lines[-1].strip() if lines else "unknown error"
 
 
 def status_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """(name, describe()) of each run of a sweep folder (sweep.json), or of one dump_dir."""
-    sweep = path / "sweep.json"
-    if sweep.exists():
-        return [(name, describe(path / name)) for name in json.loads(sweep.read_text())["runs"]]
+    if (path / "sweep.json").exists():
+        return [(name, describe(path / name)) for name in sweep_runs(path)]
     if not path.exists():
         raise UserError(f"{path} does not exist")
     return [(path.name, describe(path))]
+
+
+def sweep_runs(folder: Path) -> list[str]:
+    """The run names of a sweep's sweep.json, each a folder directly inside the sweep's."""
+    path = folder / "sweep.json"
+    try:
+        runs = json.loads(path.read_text()).get("runs") if path.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        runs = None
+    if not isinstance(runs, list) or not all(map(is_folder_name, runs)):
+        raise UserError(f"{path} is not a sweep record (a JSON object whose runs are names of folders in it)")
+    return runs
+
+
+def is_folder_name(name: Any) -> bool:
+    """Whether `name` names a folder directly inside another (printable, no separator, not . or ..)."""
+    return isinstance(name, str) and name.isprintable() and name not in ("", ".", "..") and "/" not in name
 
 
 def format_status(rows: list[tuple[str, dict[str, Any]]]) -> str:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import pickle
 import shlex
 import shutil
@@ -175,7 +176,8 @@ def test_status_tells_failed_missing_and_pending_runs(tmp_path, capsys):
     (root / "failed/config.yaml").write_text("steps: 10\n")
     (root / "failed/metrics.jsonl").write_text(json.dumps({"step": 3, "loss": 2.5}) + "\n")
     (root / "failed/train.log").write_text("")
-    with open(root / "failed/7_0_result.pkl", "wb") as f:
+    (root / "submitit").mkdir()  # the sweep's, where stool's jobs write their results
+    with open(root / "submitit/7_0_result.pkl", "wb") as f:
         pickle.dump(("error", "Traceback ...\nlingua.args.UserError: data folder not found"), f)
     (root / "failed/job.json").write_text(json.dumps({"job_id": "7", "folder": str(root / "failed"),
                                                       "script": "apps.bert.train"}))
@@ -242,3 +244,76 @@ def test_no_apps_config_key_is_taken_by_stool():
     own = {field.name for field in dataclasses.fields(stool.LauncherArgs)}
     for app in registered_apps():
         assert not own & {field.name for field in dataclasses.fields(app.args_cls)}, app.name
+
+
+class _WritesAFile:
+    """A pickled object whose loading runs a shell command."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.path))}",)
+
+
+def test_status_runs_no_code_and_reads_only_the_runs_own_folder(tmp_path, capsys):
+    """A run folder from anyone: a result pickle that would run code, a job.json that points elsewhere or names no
+    folder, a truncated pickle, a JSON array in metrics.jsonl. Nothing runs; each run is a row, with a reason where
+    its outcome cannot be read."""
+    root, marker = tmp_path / "sweep", tmp_path / "code_ran"
+    runs = {"evil": "7", "elsewhere": "8", "bad_id": "../../elsewhere/9", "truncated": "10", "no_folder": "11",
+            "array_line": "12"}
+    (root / "submitit").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (root / "sweep.json").write_text(json.dumps({"runs": list(runs)}))
+    for name, job_id in runs.items():
+        (root / name).mkdir()
+        (root / name / "config.yaml").write_text("steps: 10\n")
+        record = {"job_id": job_id, "folder": str(tmp_path / "elsewhere"), "script": "apps.bert.train"}
+        (root / name / "job.json").write_text(json.dumps(record if name != "no_folder" else {"job_id": job_id}))
+    with open(root / "submitit/7_0_result.pkl", "wb") as f:
+        pickle.dump(("success", _WritesAFile(marker)), f)
+    for job_id in ("8", "9"):  # where the job.json points: never read
+        with open(tmp_path / "elsewhere" / f"{job_id}_0_result.pkl", "wb") as f:
+            pickle.dump(("success", _WritesAFile(marker)), f)
+    whole = pickle.dumps(("error", "Traceback ...\nValueError: the last line"))
+    (root / "submitit/10_0_result.pkl").write_bytes(whole[:len(whole) // 2])
+    (root / "submitit/11_0_result.pkl").write_bytes(whole)
+    (root / "array_line" / "metrics.jsonl").write_text('[1, 2]\n{"step": 4, "loss": 2.5}\n')
+
+    stool.main(["status", str(root)])
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert not marker.exists()
+    assert rows["evil"].split()[1] == "pending" and "7_0_result.pkl refused: it names 'posix.system'" in rows["evil"]
+    assert rows["elsewhere"].split()[1:] == ["pending", "-", "-", "-"]
+    assert "unreadable job record" in rows["bad_id"] and "unreadable job result" in rows["truncated"]
+    assert rows["no_folder"].split()[1] == "failed" and rows["no_folder"].endswith("ValueError: the last line")
+    assert rows["array_line"].split()[1:4] == ["pending", "4", "2.5000"]
+
+
+def test_a_dump_dir_s_status_reads_its_own_submitit_folder(tmp_path, capsys):
+    """`stool run`'s layout: the job's results in DUMP_DIR/submitit."""
+    dump = tmp_path / "run"
+    (dump / "submitit").mkdir(parents=True)
+    (dump / "job.json").write_text(json.dumps({"job_id": "5"}))
+    with open(dump / "submitit/5_0_result.pkl", "wb") as f:
+        pickle.dump(("error", "Traceback ...\nRuntimeError: out of memory"), f)
+    stool.main(["status", str(dump)])
+    assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["run", "failed"]
+
+
+@pytest.mark.parametrize("record", ['{"runs": ["../outside"]}', '{"runs": ["a\\nb"]}', '{"runs": "one"}', "[1]",
+                                    '{"runs": ["a"'])
+def test_a_sweep_record_that_is_not_one_is_refused_in_one_line(tmp_path, capsys, record):
+    (tmp_path / "sweep.json").write_text(record)
+    with pytest.raises(SystemExit) as exit_status:
+        stool.main(["status", str(tmp_path)])
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'sweep.json'} is not a sweep record (a JSON object whose " \
+                                      "runs are names of folders in it)\n"
+
+
+def test_a_run_named_outside_the_sweep_folder_is_refused(tmp_path, corpus):
+    path = write_sweep(tmp_path, corpus, runs=[{"name": "../outside"}], grid={"optim.lr": [1e-3]})
+    with pytest.raises(UserError, match="run name '../outside' is not a folder name"):
+        stool.plan_sweep(str(path))
