@@ -14,6 +14,7 @@ import torch
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
+from apps.eval import glue as glue_command
 from lingua.args import UserError, load_config, to_dict
 from lingua.checkpoint import build_from_params, export_consolidated, load_model
 from lingua.embed import load_embedder
@@ -21,7 +22,7 @@ from lingua.eval.features import encode_example, pad_batch
 from lingua.export import MARKER, ExportArgs, beside, export, main
 from lingua.tokenizer import R50K_FILENAME, default_tokenizer_dir
 from lingua.train import train
-from tests.conftest import tiny_argv, write_corpus
+from tests.conftest import run_to_the_end, tiny_argv, write_corpus
 from tests.test_contrastive import contrastive_argv, run_contrastive, write_triplets
 
 transformers = pytest.importorskip("transformers")
@@ -248,3 +249,32 @@ def test_an_export_killed_between_its_renames_is_repaired_by_the_next(runs, tmp_
     with pytest.raises(UserError, match="cannot write"):
         export_to(folder, runs["mean"])
     assert files_of(folder) == earlier and sorted(tmp_path.iterdir()) == [folder]
+
+
+def test_a_run_folder_copied_to_another_machine_opens(tmp_path, monkeypatch):
+    """A run trained with the GPT-2 file at machine A's path, copied to another path on a machine that keeps the
+    file elsewhere (the run and A's file gone): export, the GLUE probes and init_from open the copy."""
+    r50k = default_tokenizer_dir() / R50K_FILENAME
+    if not r50k.exists():
+        pytest.skip(f"no {R50K_FILENAME} in {default_tokenizer_dir()} (python setup/fetch_tokenizer.py)")
+    machine_a, machine_b = tmp_path / "a", tmp_path / "b"
+    for machine in (machine_a, machine_b):
+        machine.mkdir()
+        shutil.copy(r50k, machine / R50K_FILENAME)
+    data, run, copy = write_corpus(tmp_path / "data"), tmp_path / "run", tmp_path / "elsewhere" / "run"
+    gpt2 = ["data.tokenizer.name=gpt2", f"data.tokenizer.path={machine_a / R50K_FILENAME}", "validation.every=0"]
+    trained = run_to_the_end([sys.executable, "-m", "apps.bert.train", *tiny_argv(data, run, 2), *gpt2])  # machine A
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    shutil.copytree(run, copy)
+    shutil.rmtree(run)
+    shutil.rmtree(machine_a)
+    monkeypatch.setenv("LINGUA_TOKENIZER_DIR", str(machine_b))
+
+    main([f"ckpt={copy}", f"out={tmp_path / 'hf'}"])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 50261
+    glue_command.main([f"ckpt={copy}", f"data={REPO / 'tests' / 'fixtures' / 'glue'}", "tasks=rte", "probes=linear"])
+    assert list(copy.glob("glue_eval/*/results.json"))
+    next_run = tmp_path / "next"
+    here = ["data.tokenizer.name=gpt2", "validation.every=0", f"init_from={copy}"]
+    train(BERT, load_config(BERT.args_cls, tiny_argv(data, next_run, 2) + here))
+    assert (next_run / "consolidated.pt").exists() and not run.exists()
