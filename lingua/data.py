@@ -33,9 +33,6 @@ from lingua.tokenizer import TokenizerArgs
 
 logger = logging.getLogger(__name__)
 
-MALFORMED_WARNINGS = 10  # warn about each of the first malformed lines of a file set, then every 1000th
-
-
 @dataclass
 class DataArgs:
     root_dir: str = ""  # the folder of the sources (setup/prepare_data.py writes data/<source>/)
@@ -72,24 +69,31 @@ def _train_files(args: DataArgs, name: str) -> list[str]:
     return [os.path.join(folder, f) for f in files]
 
 
-class _Tokens:
-    """Turns raw JSONL lines into token lists (<s> document </s>); skips and counts malformed lines."""
+class SkippedRows:
+    """The bad rows of one file (or of one rank's share of it), skipped and counted: the file gets one warning, with
+    the count and where the first one is."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.malformed = tokenizer, 0
+    def __init__(self):
+        self.count, self.first = 0, ""
 
-    def __call__(self, line: bytes, path: str, offset: int) -> list[int] | None:
-        try:
-            doc = json.loads(line.decode("utf-8")) if line.strip() else None
-            text = doc.get("text") if isinstance(doc, dict) else None
-            if isinstance(text, str):
-                return [self.tokenizer.bos_id, *self.tokenizer.encode(text), self.tokenizer.eos_id]
-        except (UnicodeError, ValueError, RecursionError):  # bad UTF-8 or JSON, lone surrogates, absurd nesting
-            pass
-        self.malformed += 1
-        if self.malformed <= MALFORMED_WARNINGS or self.malformed % 1000 == 0:
-            logger.warning(f"skipped malformed line at byte {offset} of {path} ({self.malformed} skipped so far)")
-        return None
+    def add(self, where: str) -> None:
+        self.count += 1
+        self.first = self.first or where
+
+    def warning(self, path, rows: str) -> str:
+        return f"{path}: skipped {self.count} {rows} (the first at {self.first})"
+
+
+def _document(tokenizer, line: bytes) -> list[int] | None:
+    """The tokens of one JSONL line's document (<s> text </s>), or None when the line is malformed."""
+    try:
+        doc = json.loads(line.decode("utf-8")) if line.strip() else None
+        text = doc.get("text") if isinstance(doc, dict) else None
+        if isinstance(text, str):
+            return [tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id]
+    except (ValueError, RecursionError):  # bad UTF-8 or JSON, lone surrogates, a number past the digit limit, nesting
+        pass
+    return None
 
 
 def _rank_segments(files: list[str], sizes: list[int], rank: int, world_size: int) -> list[list]:
@@ -110,7 +114,10 @@ class _SourceStream:
 
     A segment is [path, start, end, skip]: the lines starting in [start, end) of path, the first `skip` tokens of its
     first document already used. Every epoch reads the rank's own byte range, except an epoch resumed on another
-    number of ranks, which reads the segments it was handed (`repartition`)."""
+    number of ranks, which reads the segments it was handed (`repartition`).
+
+    Malformed lines are skipped; those of the first epoch are counted (later epochs meet the same lines again), with
+    one warning for each segment the rank leaves: its share of one file."""
 
     def __init__(self, name: str, files: list[str], rank: int, world_size: int, tokenizer):
         self.name, self.rank = name, rank
@@ -121,7 +128,9 @@ class _SourceStream:
         if not self.own_segments:
             raise UserError(f"data source '{name}' is too small to give rank {rank} of {world_size} any line")
         self.segments = self.own_segments  # this epoch's
-        self.tokens = _Tokens(tokenizer)
+        self.tokenizer = tokenizer
+        self.malformed = 0  # lines skipped in the first epoch
+        self.skipped, self.skipped_from = SkippedRows(), self.segments[0][1]  # those of this segment, since that byte
         self.epoch, self.seg, self.pos = 0, 0, self.segments[0][1]  # next line to read
         self.doc: list[int] = []  # current document (with eos) and how much of it is already handed out
         self.doc_seg, self.doc_pos, self.doc_off = 0, 0, 0
@@ -154,22 +163,30 @@ class _SourceStream:
                 raise UserError(f"data file {path} shrank under the running job ({self.identities[path][0]:,} bytes "
                                 f"at the start, {size:,} now): {_CHANGED}")
             offset, self.pos = self.pos, self.pos + len(line)
-            doc = self.tokens(line, path, offset)
+            doc = _document(self.tokenizer, line)
             if doc is not None:
                 self.wraps_without_doc = 0
                 self.doc_seg, self.doc_pos = self.seg, offset
                 return doc
+            if self.epoch == 0:
+                self.malformed += 1
+                self.skipped.add(f"byte {offset:,}")
 
     def _next_segment(self) -> None:
         self.close()
+        path, _, end, _ = self.segments[self.seg]
+        if self.skipped.count:
+            logger.warning(self.skipped.warning(path, f"malformed lines in bytes [{self.skipped_from:,}, {end:,})"))
         self.seg += 1
         if self.seg >= len(self.segments):
             self.wraps_without_doc += 1
             if self.wraps_without_doc > 1:  # a whole epoch passed without one valid document
-                raise UserError(f"data source '{self.name}' has no valid document in rank {self.rank}'s share")
+                raise UserError(f"data source '{self.name}' has no valid document in rank {self.rank}'s share of "
+                                f"{os.path.dirname(self.own_segments[0][0])}: every line is malformed")
             self.epoch, self.seg, self.segments = self.epoch + 1, 0, self.own_segments
             logger.info(f"data source '{self.name}': rank {self.rank} starts epoch {self.epoch}")
         self.pos, self.skip = self.segments[self.seg][1], self.segments[self.seg][3]
+        self.skipped, self.skipped_from = SkippedRows(), self.pos
 
     def _open(self, path: str):
         """The file, if it is still the one the run started with (not removed, replaced, shrunk or rewritten)."""
@@ -191,7 +208,7 @@ class _SourceStream:
         partial = self.doc_off < len(self.doc)  # the carry-over buffer is the rest of this document
         seg, pos = (self.doc_seg, self.doc_pos) if partial else (self.seg, self.pos)
         state = {"epoch": self.epoch, "segment": seg, "byte": pos, "token": self.doc_off if partial else self.skip,
-                 "malformed_lines": self.tokens.malformed, "total_bytes": self.total_bytes}
+                 "malformed_lines": self.malformed, "total_bytes": self.total_bytes}
         if self.segments is not self.own_segments:  # file names, not paths: the data folder may move
             state["segments"] = [[os.path.basename(path), *rest] for path, *rest in self.segments]
         return state
@@ -206,12 +223,12 @@ class _SourceStream:
             if "segments" in state else self.own_segments
         self.epoch, self.seg, self.pos = state["epoch"], state["segment"], state["byte"]
         self.doc, self.doc_off, self.skip = [], 0, 0
+        self.malformed, self.skipped, self.skipped_from = state["malformed_lines"], SkippedRows(), self.pos
         if self.seg >= len(self.segments):  # handed nothing of the resumed epoch: start the next one
             self.seg = len(self.segments) - 1
             self._next_segment()
         elif state["token"]:
             self.doc, self.doc_off = self._next_doc(), state["token"]
-        self.tokens.malformed = state["malformed_lines"]
 
 
 _CHANGED = ("the data must not change while a run reads it: restore it and run the same command to resume from the "
@@ -457,10 +474,12 @@ def load_validation(args: DataArgs, tokenizer, n_sequences: int, rank: int = 0, 
         if not os.path.isfile(path):
             raise UserError(f"validation file not found: '{path}'")
         need = world_size * k * args.seq_len
-        tokens = _read_tokens(path, _Tokens(tokenizer), need)
+        tokens, skipped = _read_tokens(path, tokenizer, need)
         if len(tokens) < need:
             raise UserError(f"'{path}' has {len(tokens) // args.seq_len} rows of {args.seq_len} tokens, "
-                            f"{k} per rank x {world_size} ranks needed")
+                            f"{k} per rank x {world_size} ranks needed ({skipped.count} malformed lines skipped)")
+        if skipped.count:
+            logger.warning(skipped.warning(path, "malformed lines"))
         mine = tokens[rank * k * args.seq_len : (rank + 1) * k * args.seq_len]
         rows.append(torch.tensor(mine, dtype=torch.long).view(k, args.seq_len))
     return torch.cat(rows)
@@ -476,13 +495,16 @@ def _split_by_weight(n: int, weights: dict[str, float]) -> dict[str, int]:
     return dict(zip(names, counts))
 
 
-def _read_tokens(path: str, tokens: _Tokens, limit: int) -> list[int]:
+def _read_tokens(path: str, tokenizer, limit: int) -> tuple[list[int], SkippedRows]:
+    """The documents' tokens from the start of `path` until there are `limit`, and the malformed lines skipped."""
     out: list[int] = []
+    skipped = SkippedRows()
     with open(path, "rb") as f:
-        offset = 0
-        for line in f:
+        for number, line in enumerate(f, 1):
             if len(out) >= limit:
                 break
-            out += tokens(line, path, offset) or []
-            offset += len(line)
-    return out
+            doc = _document(tokenizer, line)
+            if doc is None:
+                skipped.add(f"line {number}")
+            out += doc or []
+    return out, skipped

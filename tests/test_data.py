@@ -93,29 +93,29 @@ def test_too_many_ranks_for_the_data_is_a_user_error(tmp_path):
         build_train_loader(args, TOK, 2, 3)
 
 
-def test_malformed_lines_are_skipped_and_counted(tmp_path, caplog):
-    lines = [
-        "first",
-        b"{not json\n",
-        b'{"title": "no text"}\n',
-        b'{"text": 5}\n',
-        b'{"text": "bad \xff\xfe bytes"}\n',
-        b"\n",
-        b"[1, 2]\n",
-        "second",
-        b'{"text": "last, no newline"}',
-    ]
-    write_source(tmp_path, "a", [lines])
+MALFORMED = [b"{not json\n", b'{"title": "no text"}\n', b'{"text": 5}\n', b'{"text": "bad \xff\xfe bytes"}\n', b"\n",
+             b"[1, 2]\n", b'{"text": "past the digit limit", "n": ' + b"7" * 5000 + b"}\n", b"[" * 100_000 + b"\n"]
+
+
+def test_malformed_lines_are_counted_once_with_one_warning_per_file(tmp_path, caplog):
+    write_source(tmp_path, "a", [["first", *MALFORMED[:6], "second", b'{"text": "last, no newline"}'],
+                                 [*MALFORMED[6:], "third"]])  # 40 tokens of documents per epoch
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=5, batch_size=2, prefetch=2)
     with caplog.at_level(logging.WARNING), build_train_loader(args, TOK, 0, 1) as loader:
         assert loader.malformed_lines == 0
         batches = take(loader, 2)  # 20 tokens: <s>first</s>, <s>second</s>, part of the last document
         assert loader.malformed_lines == 6
-        batches += take(loader, 3)  # into the second epoch, whose skipped lines count again
-        assert loader.malformed_lines == 12
-        assert loader.state_dict()["sources"]["a"]["malformed_lines"] == 12
-    assert split_docs(stream(batches))[:4] == ["first", "second", "last, no newline", "first"]
-    assert "train.00000.jsonl" in caplog.text
+        state = loader.state_dict()
+        batches += take(loader, 8)  # two epochs and a half: the same lines again, not counted again
+        assert loader.malformed_lines == 8 and loader.state_dict()["sources"]["a"]["malformed_lines"] == 8
+    assert split_docs(stream(batches)) == ["first", "second", "last, no newline", "third"] * 2 + ["first", "second"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert "train.00000.jsonl: skipped 6 malformed lines" in warnings[0] and "the first at byte 18" in warnings[0]
+    assert "train.00001.jsonl: skipped 2 malformed lines" in warnings[1] and "the first at byte 0" in warnings[1]
+    with build_train_loader(args, TOK, 0, 1, state=state) as loader:  # a resumed run counts on exactly
+        assert all(torch.equal(a, b) for a, b in zip(take(loader, 8), batches[2:]))
+        assert loader.malformed_lines == 8
 
 
 def resume_args(tmp_path, **kw):
@@ -202,8 +202,9 @@ def test_background_errors_reach_the_caller(tmp_path):
 def test_source_without_any_valid_document_is_a_user_error(tmp_path):
     write_source(tmp_path, "a", [[b"junk\n", b"\n"]])
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=4, batch_size=1, prefetch=1)
-    with build_train_loader(args, TOK, 0, 1) as loader, pytest.raises(UserError, match="no valid"):
+    with build_train_loader(args, TOK, 0, 1) as loader, pytest.raises(UserError, match="no valid") as error:
         next(loader)
+    assert str(tmp_path / "a") in str(error.value) and "\n" not in str(error.value)
 
 
 def test_validation_is_fixed_weighted_and_rank_disjoint(tmp_path):
