@@ -1,4 +1,5 @@
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -143,15 +144,23 @@ def test_the_loader_resumes_on_another_number_of_ranks(tmp_path):
     assert one.state_dict() == {"epoch": 1, "position": 8}
 
 
-def test_bad_triplet_lines_are_counted_and_left_out(tmp_path):
+def test_bad_triplet_lines_are_counted_and_left_out(tmp_path, caplog):
     path = write_triplets(tmp_path / "t.jsonl", 10)
     with open(path, "a") as f:
         f.write('{"query": "q", "positive": "p", "negatives": ["only one"]}\nnot json\n["a list"]\n')
+        f.write('{"query": "q", "positive": "p", "negatives": ["a", "b", "c"], "id": ' + "9" * 5000 + "}\n")
+        f.write("[" * 100_000 + "\n")
     args = TripletDataArgs(path=str(path), n_negatives=3, batch_size=2, tokenizer=TokenizerArgs(name="bytes"))
-    loader = TripletLoader(args, build_tokenizer(args.tokenizer), 0, 1)
-    assert loader.malformed_lines == 3 and len(loader.offsets) == 10
-    with pytest.raises(UserError, match="no usable triplet"):
+    with caplog.at_level(logging.WARNING):
+        loader = TripletLoader(args, build_tokenizer(args.tokenizer), 0, 1)
+        assert [next(loader).shape for _ in range(6)] == [(2, 5, 128)] * 6  # the good lines, into the next epoch
+    assert loader.malformed_lines == 5 and len(loader.offsets) == 10
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: skipped 5 lines that are not triplets with 3 negatives (the first at line 11)"]
+    loader.close()
+    with pytest.raises(UserError, match="no usable triplet") as error:
         TripletLoader(TripletDataArgs(path=str(path), n_negatives=9), build_tokenizer(args.tokenizer), 0, 1)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
 
 
 def test_embedder_uses_the_trained_pooler_and_batching_does_not_change_vectors(pretrained, tmp_path):

@@ -3,7 +3,9 @@
 Each line is `{"query": str, "positive": str, "negatives": [str, ...]}` (MS MARCO's layout; `python -m
 lingua.eval.triplets` builds such a file from a BEIR folder). A row holds the query, its positive, then its first
 `n_negatives` hard negatives, each text as `<s> text </s>` cut to seq_len tokens and padded with the tokenizer's pad
-id. Lines that are not such an object, or have fewer negatives, are left out and counted (`malformed_lines`).
+id. Lines that are not such an object (bad JSON or UTF-8, a number past Python's digit limit, absurd nesting), or have
+fewer negatives, are left out and counted once (`malformed_lines`), with one warning for the file; a file with no
+usable line is refused.
 
 The file is indexed once at the start (byte offsets of the usable lines). Each epoch reads them in a seeded
 permutation; a step takes the next batch_size x world_size lines, rank r its r-th slice. The state (epoch, lines
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from lingua.args import UserError, at_least
+from lingua.data import SkippedRows
 from lingua.tokenizer import TokenizerArgs
 
 logger = logging.getLogger(__name__)
@@ -49,7 +52,7 @@ def parse_triplet(line: bytes, n_negatives: int) -> list[str] | None:
     """[query, positive, negative_1..n] from one line, or None when it is not a usable triplet."""
     try:
         item = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # bad JSON or UTF-8, a number past the digit limit, absurd nesting
         return None
     if not isinstance(item, dict):
         return None
@@ -61,26 +64,26 @@ def parse_triplet(line: bytes, n_negatives: int) -> list[str] | None:
     return texts if all(isinstance(t, str) and t.strip() for t in texts) else None
 
 
-def index_triplets(path: str, n_negatives: int) -> tuple[np.ndarray, int]:
-    """Byte offsets of the usable lines of `path`, and the number of lines left out."""
+def index_triplets(path: str, n_negatives: int, warn: bool = True) -> tuple[np.ndarray, int]:
+    """Byte offsets of the usable lines of `path`, and the number of lines left out (one warning, if `warn`)."""
     if not path:
         raise UserError("data.path is empty: give a JSONL file of triplets (query, positive, negatives)")
     if not Path(path).is_file():
         raise UserError(f"triplet file not found: {path}")
-    offsets, skipped, position = [], 0, 0
+    offsets, skipped, position = [], SkippedRows(), 0
     with open(path, "rb") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if line.strip():
                 if parse_triplet(line, n_negatives) is None:
-                    skipped += 1
+                    skipped.add(f"line {number}")
                 else:
                     offsets.append(position)
             position += len(line)
     if not offsets:
-        raise UserError(f"{path} holds no usable triplet with {n_negatives} negatives ({skipped} lines left out)")
-    if skipped:
-        logger.warning(f"{path}: {skipped} lines are not triplets with {n_negatives} negatives: left out")
-    return np.array(offsets, dtype=np.int64), skipped
+        raise UserError(f"{path} holds no usable triplet with {n_negatives} negatives ({skipped.count} lines left out)")
+    if skipped.count and warn:
+        logger.warning(skipped.warning(path, f"lines that are not triplets with {n_negatives} negatives"))
+    return np.array(offsets, dtype=np.int64), skipped.count
 
 
 def encode_texts(tokenizer, texts: list[str], seq_len: int) -> list[list[int]]:
@@ -98,8 +101,9 @@ class TripletLoader:
 
     def __init__(self, args: TripletDataArgs, tokenizer, rank: int, world_size: int, state: dict | None = None):
         self.args, self.tokenizer, self.rank, self.world_size = args, tokenizer, rank, world_size
-        self.offsets, skipped = index_triplets(args.path, args.n_negatives)
-        self.malformed_lines = skipped if rank == 0 else 0  # every rank indexes the whole file; the loop sums them
+        # every rank indexes the whole file: rank 0 warns and counts (the loop sums the ranks' counts)
+        self.offsets, skipped = index_triplets(args.path, args.n_negatives, warn=rank == 0)
+        self.malformed_lines = skipped if rank == 0 else 0
         step_lines = args.batch_size * world_size
         if len(self.offsets) < step_lines:
             raise UserError(f"{args.path} has {len(self.offsets)} usable triplets, fewer than one step's "
