@@ -1,4 +1,5 @@
 import json
+import logging
 import shutil
 import sys
 import types
@@ -97,9 +98,42 @@ def test_wrong_file_and_missing_split(tmp_path):
     with pytest.raises(glue.MissingSplit, match="no train split"):
         glue.load_split(glue.TASKS["qnli"], "train", str(tmp_path))
     (tmp_path / "SST-2").mkdir()
-    (tmp_path / "SST-2" / "train.tsv").write_bytes(b"sentence\tlabel\n\xff\xfe\x00\t1\n")
+    (tmp_path / "SST-2" / "train.tsv").write_bytes(b"sentence\tlabel\n\xff\xfe\x00\t1\nno label\n")
+    with pytest.raises(UserError) as error:  # nothing usable is left: the file is refused in one line
+        glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path))
+    assert str(error.value) == (f"{tmp_path / 'SST-2' / 'train.tsv'} has no usable SST2 example "
+                                "(2 malformed lines, the first at line 2)")
+    (tmp_path / "SST-2" / "train.tsv").write_bytes(b"sentence\xff\tlabel\ngood\t1\n")
     with pytest.raises(UserError, match="is not a GLUE TSV file"):
         glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path))
+
+
+def _sst2_train(folder: Path, extra_lines: list[bytes]) -> Path:
+    """The fixture's SST-2 train split (a header and 16 rows) with extra lines after its second row."""
+    lines = (FIXTURES / "SST-2" / "train.tsv").read_bytes().splitlines(keepends=True)
+    (folder / "SST-2").mkdir()
+    (folder / "SST-2" / "train.tsv").write_bytes(b"".join(lines[:3] + extra_lines + lines[3:]))
+    return folder / "SST-2" / "train.tsv"
+
+
+def test_bad_rows_of_a_tsv_are_skipped_counted_and_reported_once(tmp_path, caplog):
+    long_sentence = "a long review " + "x" * 200_000  # past csv's 128 KB field size limit
+    path = _sst2_train(tmp_path, [b"caf\xe9 au lait\t1\n", f"{long_sentence}\t0\n".encode()])
+    with caplog.at_level(logging.WARNING):
+        split = glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path))
+        again = glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path))  # the next evaluation of a training run
+    assert (split.skipped, split.first_skipped, len(split.texts)) == (1, "line 4", 17)
+    assert split.texts[2] == (long_sentence,) and split.labels[2] == 0 and again.texts == split.texts
+    assert [r.getMessage() for r in caplog.records] == [f"SST2 train: {path}: skipped 1 malformed lines "
+                                                        "(the first at line 4)"]
+
+
+def test_a_lone_carriage_return_stays_inside_its_sentence(tmp_path):
+    _sst2_train(tmp_path, [b"a sentence\rthat goes on\t1\n", b"a windows line\t0\r\n"])
+    split = glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path))
+    assert split.skipped == 0 and len(split.texts) == 18
+    assert split.texts[2:4] == [("a sentence\rthat goes on",), ("a windows line",)]
+    assert split.labels[2:4].tolist() == [1, 0]
 
 
 def test_non_finite_scores_are_malformed_rows(tmp_path):

@@ -18,9 +18,9 @@ Protocol, and the choices the paper leaves open:
   correlation for CoLA, Spearman correlation for STS-B. F1 (QQP, MRPC) and Pearson (STS-B) are kept alongside.
 """
 
-import csv
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from lingua.args import UserError, at_least
+from lingua.data import SkippedRows
 from lingua.eval import probes
 from lingua.eval.features import DEFAULT_MAX_LEN, FeatureCache, extract_features, resolve_layers
 
@@ -113,43 +114,55 @@ class GlueSplit:
     labels: Tensor  # class indices (long) or scores (float)
     skipped: int = 0  # malformed lines left out
     unknown_label: str | None = None  # the first label outside the task's set (its line is among the skipped)
+    first_skipped: str = ""  # where the first malformed line is ("line 7", "row 7")
 
     def subset(self, index: Tensor) -> "GlueSplit":
         return GlueSplit([self.texts[i] for i in index.tolist()], self.labels[index], self.skipped,
-                         self.unknown_label)
+                         self.unknown_label, self.first_skipped)
 
 
 def read_glue_tsv(path: str | Path, task: GlueTask) -> GlueSplit:
     """One split in the original GLUE TSV format.
 
-    No quote handling (some sentences start with a lone `"`); MRPC's header starts with a byte-order mark; CoLA has
-    no header; MNLI has extra columns (parses, several annotator labels). Lines whose field count differs from the
-    header's (QQP has some) or whose label is not a known one are skipped and counted.
+    Lines end at a line feed alone (a lone carriage return is part of its sentence; a CRLF ending is removed) and
+    their fields are split at tabs, with no quote handling (some sentences start with a lone `"`) and no size limit.
+    MRPC's header starts with a byte-order mark; CoLA has no header; MNLI has extra columns (parses, several annotator
+    labels). Lines that are not UTF-8, whose field count differs from the header's (QQP has some) or whose label is
+    not a known one are skipped and counted.
     """
+    with open(path, "rb") as f:
+        return _read_rows(((number, _fields(line)) for number, line in enumerate(f, 1)), task, path)
+
+
+def _fields(line: bytes) -> list[str] | None:
+    """The tab-separated fields of one line, or None when it is not UTF-8."""
     try:
-        with open(path, encoding="utf-8-sig", newline="") as f:
-            return _read_rows(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), task, path)
-    except (UnicodeDecodeError, csv.Error) as e:
-        raise UserError(f"{path} is not a GLUE TSV file ({e})") from None
+        text = line.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return None
+    return text.removesuffix("\n").removesuffix("\r").split("\t")
 
 
 def _read_rows(rows, task: GlueTask, path: str | Path) -> GlueSplit:
-    header = list(task.columns) or next(rows, [])
+    header = list(task.columns) or next(rows, (1, []))[1]
+    if header is None:
+        raise UserError(f"{path} is not a GLUE TSV file (its header line is not UTF-8)")
     missing = [c for c in (*task.text_columns, task.label_column) if c not in header]
     if missing:
         raise UserError(f"{path}: no column {missing[0]!r} in header {header} (is this {task.title}?)")
     text_idx = [header.index(c) for c in task.text_columns]
     label_idx = header.index(task.label_column)
-    texts, labels, skipped, unknown = [], [], 0, None
-    for row in rows:
-        label = _parse_label(task, row[label_idx]) if len(row) == len(header) else None
+    texts, labels, skipped, unknown = [], [], SkippedRows(), None
+    for number, row in rows:
+        fits = row is not None and len(row) == len(header)
+        label = _parse_label(task, row[label_idx]) if fits else None
         if label is None:
-            skipped += 1
-            unknown = unknown or (row[label_idx] if len(row) == len(header) else None)
+            skipped.add(f"line {number}")
+            unknown = unknown or (row[label_idx] if fits else None)
             continue
         texts.append(tuple(row[i] for i in text_idx))
         labels.append(label)
-    return GlueSplit(texts, _label_tensor(task, labels), skipped, unknown)
+    return GlueSplit(texts, _label_tensor(task, labels), skipped.count, unknown, skipped.first)
 
 
 def _parse_label(task: GlueTask, value: str) -> float | int | None:
@@ -168,16 +181,16 @@ def _label_tensor(task: GlueTask, labels: list) -> Tensor:
 
 def split_from_hf_rows(task: GlueTask, rows) -> GlueSplit:
     """A split from HF `nyu-mll/glue` rows (dicts); their integer labels already follow `task.labels`' order."""
-    texts, labels, skipped = [], [], 0
-    for row in rows:
+    texts, labels, skipped = [], [], SkippedRows()
+    for number, row in enumerate(rows, 1):
         label = row["label"]
         valid = math.isfinite(label) if task.regression else 0 <= label < len(task.labels)  # -1: unlabelled
         if not valid:
-            skipped += 1
+            skipped.add(f"row {number}")
             continue
         texts.append(tuple(row[c] for c in task.hf_text_columns))
         labels.append(label)
-    return GlueSplit(texts, _label_tensor(task, labels), skipped)
+    return GlueSplit(texts, _label_tensor(task, labels), skipped.count, first_skipped=skipped.first)
 
 
 def load_hf_split(task: GlueTask, split: str) -> GlueSplit:
@@ -194,23 +207,34 @@ def load_hf_split(task: GlueTask, split: str) -> GlueSplit:
     return split_from_hf_rows(task, rows)
 
 
+_WARNED: set[tuple] = set()  # the splits whose malformed lines were reported: once per file and process
+
+
 def load_split(task: GlueTask, split: str, data: str, strict: bool = False) -> GlueSplit:
     """The "train" or "dev" split of `task` from a GLUE folder or, with data="hf", from the HF hub. A line whose
-    label is outside the task's set is skipped and counted, or with `strict` a UserError."""
+    label is outside the task's set is skipped and counted, or with `strict` a UserError. Malformed lines are
+    reported once per file (probes during training read the files again at every evaluation); a file with no
+    usable line is a UserError."""
     if data == "hf":
-        result = load_hf_split(task, split)
+        result, source, version = load_hf_split(task, split), f"{HF_GLUE}/{task.name} {split}", None
     else:
         path = Path(data) / task.folder / f"{'train' if split == 'train' else task.dev_file}.tsv"
         if not path.is_file():
             raise MissingSplit(f"no {split} split, {path} not found")
-        result = read_glue_tsv(path, task)
+        stat = os.stat(path)
+        result, source, version = read_glue_tsv(path, task), str(path), (stat.st_size, stat.st_mtime_ns)
     if strict and result.unknown_label is not None:
         raise UserError(f"{task.title} {split}: label {result.unknown_label!r} is not one of the task's "
                         f"({', '.join(task.labels) or 'a finite score'})")
-    if result.skipped:
-        logger.warning(f"{task.title} {split}: skipped {result.skipped} malformed lines")
     if not result.texts:
-        raise MissingSplit(f"the {split} split has no usable example")
+        if data == "hf":
+            raise MissingSplit(f"the {split} split has no usable example")
+        why = f"{result.skipped} malformed lines, the first at {result.first_skipped}" if result.skipped else "no line"
+        raise UserError(f"{source} has no usable {task.title} example ({why})")
+    if result.skipped and (source, version) not in _WARNED:
+        _WARNED.add((source, version))
+        logger.warning(f"{task.title} {split}: {source}: skipped {result.skipped} malformed lines (the first at "
+                       f"{result.first_skipped})")
     return result
 
 
