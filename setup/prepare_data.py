@@ -87,8 +87,9 @@ class Written:
 
 def write_layout(docs: Iterable[str], out_dir: Path, docs_per_chunk: int, is_valid: Callable[[int], bool]) -> Written:
     """Write train chunks, valid.jsonl and the marker to a temporary folder, flushed to disk, then put it in
-    out_dir's place: the earlier output is renamed aside, the new one in, the earlier one removed. A kill leaves
-    the earlier output or the new one (`recover`, at the next start, puts the earlier one back if needed)."""
+    out_dir's place: the earlier output is renamed aside, the new one in, the earlier one removed. A failure or a
+    kill leaves the earlier output or the new one (`recover`, then or at the next start, puts the earlier one back
+    if needed)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp, previous = leftovers(out_dir)  # same filesystem: the renames are atomic
     tmp.mkdir()
@@ -105,9 +106,8 @@ def write_layout(docs: Iterable[str], out_dir: Path, docs_per_chunk: int, is_val
             out_dir.rename(previous)
         tmp.rename(out_dir)
         fsync_dir(out_dir.parent)
-        shutil.rmtree(previous, ignore_errors=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        recover(out_dir)
     return written
 
 
@@ -117,8 +117,8 @@ def leftovers(out_dir: Path) -> tuple[Path, Path]:
 
 
 def recover(out_dir: Path) -> None:
-    """Clears what a killed write left: an earlier output renamed aside goes back in place if no new one replaced
-    it, else it goes; a partial one goes."""
+    """Clears what an interrupted write (killed, or failed) left: an earlier output renamed aside goes back in place
+    if no new one replaced it, else it goes; a partial one goes."""
     tmp, previous = leftovers(out_dir)
     if (previous / MARKER).is_file() and not out_dir.exists():
         previous.rename(out_dir)
