@@ -83,8 +83,9 @@ class MetricLogger:
         if not enabled:
             return
         if path.exists():
-            kept = [line for line in path.read_text().splitlines() if _step_of(line, default=resume_step + 1)
-                    <= resume_step]  # a line torn by a kill is dropped with the rest past the checkpoint
+            # a line torn by a kill, or that is not a record, is dropped with the rest past the checkpoint
+            lines = path.read_text(errors="replace").splitlines()
+            kept = [line for line in lines if _step_of(line, default=resume_step + 1) <= resume_step]
             atomic_write(path, "".join(line + "\n" for line in kept))
         self.file = path.open("a")
         if args.wandb_project:
@@ -119,21 +120,31 @@ class MetricLogger:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl (none if it does not exist), skipping a line torn by a killed writer."""
-    records = []
+    """The records of a metrics.jsonl (none if it does not exist). A line that is not a JSON object (torn by a killed
+    writer, or written by something else) is skipped, with one warning that counts them."""
+    records, skipped = [], 0
     for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+        record = _record(line)
+        if record is None:
+            skipped += 1
+        else:
+            records.append(record)
+    if skipped:
+        logger.warning(f"{path}: skipped {skipped} line(s) that are not JSON objects")
     return records
 
 
-def _step_of(line: str, default: int) -> int:
+def _record(line: str) -> dict[str, Any] | None:
     try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return default
+        record = json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to parse
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _step_of(line: str, default: int) -> int:
+    step = (_record(line) or {}).get("step")
+    return step if isinstance(step, int) else default
 
 
 def format_progress(record: dict[str, Any], total_steps: int) -> str:
