@@ -8,10 +8,15 @@ Layout of a run's dump_dir:
     checkpoints/0000000900.damaged a checkpoint that failed to load, set aside: never loaded, counted or pruned
     consolidated.pt                the final weights in one file, with the app and the config
 
-A checkpoint is written to a `.tmp` folder and renamed once every file is on disk, so a process killed while
-saving leaves the previous checkpoint in force; a save that fails (a full disk) removes its `.tmp` folder and says
-why in one line. Older checkpoints beyond `keep` are deleted through a `.deleting` rename, so a half-deleted one
-never looks complete; leftovers of killed processes are removed when the next run starts.
+A checkpoint is written to a `.tmp` folder and renamed once every file and the folder are flushed to disk (the
+manifest last), so a process killed while saving leaves the previous checkpoint in force; a save that fails (a full
+disk) removes its `.tmp` folder and says why in one line. A step saved again moves its old copy aside as `.replaced`
+until the new one is in place. Older checkpoints beyond `keep` are deleted through a `.deleting` rename, once the
+new one's rename is on disk, so a half-deleted one never looks complete. When the next run starts, a `.replaced`
+copy whose step has no other one is put back (the save was killed between its two renames); every other leftover of
+a killed process is removed.
+
+Nothing in a checkpoint folder is unpickled without restriction (`lingua.safe_dcp`), so opening one runs no code.
 
 `python -m lingua.checkpoint export CHECKPOINT_DIR OUT.pt` consolidates any checkpoint into one file.
 """
@@ -42,15 +47,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from lingua import safe_dcp
 from lingua.app import build_model
 from lingua.args import UserError, at_least, from_dict
 from lingua.distributed import all_reduce, fail_together, on_all_ranks, rank_and_world
-from lingua.files import atomic_write
+from lingua.files import atomic_write, fsync_dir
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = re.compile(r"^\d{10}$")
-LEFTOVER_NAME = re.compile(r"^\d{10}\.(tmp|deleting)$")
+LEFTOVER_NAME = re.compile(r"^\d{10}\.(tmp|deleting|replaced)$")
 CONSOLIDATED = "consolidated.pt"
 MANIFEST = "manifest.json"
 LOW_DISK_BYTES = 2**20  # a save that fails with less free space than this failed because the disk is full
@@ -128,7 +134,7 @@ def verify(path: Path) -> dict:
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Shape of every model tensor in a DCP checkpoint, from its metadata (no tensor is read)."""
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        metadata = safe_dcp.read_metadata(path).state_dict_metadata
     except (Exception, CheckpointException) as e:
         raise DamagedCheckpoint(f".metadata: {short_reason(e)}") from None
     return {k.removeprefix("model."): tuple(v.size) for k, v in metadata.items()
@@ -152,17 +158,28 @@ class CheckpointManager:
         return sorted(self.folder.glob("*.damaged*")) if self.folder.is_dir() else []
 
     def remove_leftovers(self) -> None:
-        """Half-written (`.tmp`) and half-deleted (`.deleting`) checkpoints of processes killed at that moment."""
+        """What processes killed while saving or pruning left: a `.replaced` checkpoint whose step has no other copy
+        is put back (it is the newest complete one); half-written (`.tmp`), half-deleted (`.deleting`) and
+        superseded (`.replaced`) folders are removed."""
         on_all_ranks(self._remove_leftovers)
 
     def _remove_leftovers(self) -> None:
         for leftover in self.folder.iterdir() if self.folder.is_dir() else []:
             if leftover.is_dir() and LEFTOVER_NAME.match(leftover.name):
                 try:
-                    shutil.rmtree(leftover)
+                    self._recover(leftover)
                 except OSError as e:
-                    raise UserError(f"cannot remove {leftover}, left by a killed process: {e.strerror}") from None
-                logger.info(f"removed {leftover.name}, left by a process killed while saving or pruning")
+                    raise UserError(f"cannot recover {leftover}, left by a killed process: {e.strerror}") from None
+
+    def _recover(self, leftover: Path) -> None:
+        step = leftover.with_suffix("")
+        if leftover.suffix == ".replaced" and not step.exists():  # killed between the two renames of `_complete`
+            os.replace(leftover, step)
+            fsync_dir(self.folder)
+            logger.info(f"restored checkpoint {step.name}, set aside by a process killed while saving it again")
+        else:
+            shutil.rmtree(leftover)
+            logger.info(f"removed {leftover.name}, left by a process killed while saving or pruning")
 
     def check_folder(self) -> None:
         """The checkpoints folder is a folder, or absent: never a file or a link to a missing (unmounted) folder."""
@@ -210,18 +227,23 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         with _dcp_quietly():
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        (tmp / f"train_state_{rank:05d}.json").write_text(json.dumps(train_state))
+        atomic_write(tmp / f"train_state_{rank:05d}.json", json.dumps(train_state))  # flushed, as DCP's files are
         if rank == 0:
-            (tmp / "params.json").write_text(json.dumps(params))
+            atomic_write(tmp / "params.json", json.dumps(params))
 
     def _complete(self, final: Path, tmp: Path) -> None:
-        """Rank 0, once every rank has written its part: the manifest, then the rename that makes it complete."""
+        """Rank 0, once every rank has written its part: the manifest, then the rename that makes it complete. At
+        every moment a complete copy of the newest step is on disk where the next start finds it."""
         sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        (tmp / MANIFEST).write_text(json.dumps(sizes))
-        if final.exists():  # the same step saved again (a stop right after resuming): swap, then delete
-            os.replace(final, final.with_name(final.name + ".deleting"))
+        atomic_write(tmp / MANIFEST, json.dumps(sizes))  # last; it flushes the folder's entries too
+        replaced = final.with_name(final.name + ".replaced")
+        if final.exists():  # the same step saved again: the old copy stays whole, put back if killed before the swap
+            os.replace(final, replaced)
+            fsync_dir(self.folder)
         os.replace(tmp, final)  # the folder's rename is atomic
-        self._prune()
+        for folder in (self.folder, self.folder.parent):  # the rename (and, at the first save, the checkpoints
+            fsync_dir(folder)  # folder itself) on disk before any older checkpoint goes
+        self._prune(replaced)
         logger.info(f"saved checkpoint {final}")
 
     def _save_failure(self, error: BaseException) -> str:
@@ -235,15 +257,15 @@ class CheckpointManager:
         """Resumes from one of this run's checkpoints (`Checkpoint.load_training`). Called by every rank."""
         return Checkpoint.read(path).load_training(model, optimizer)
 
-    def _prune(self) -> None:
-        """Deletes the checkpoints beyond `keep`; one that cannot be deleted is named and left (as `.deleting`,
-        removed when the next run starts): the new checkpoint is saved, the run goes on."""
+    def _prune(self, replaced: Path) -> None:
+        """Deletes the checkpoints beyond `keep` and the `replaced` copy of a step saved again; one that cannot be
+        deleted is named and left (removed when the next run starts): the new checkpoint is saved, the run goes on."""
         doomed = [old.with_name(old.name + ".deleting") for old in
                   (self.complete_checkpoints()[: -self.args.keep] if self.args.keep > 0 else [])]
         try:
             for folder in doomed:  # renamed first: no longer looks complete, even if killed mid-delete
                 os.replace(folder.with_name(folder.name.removesuffix(".deleting")), folder)
-            for folder in self.folder.glob("*.deleting"):  # also a checkpoint saved again over itself
+            for folder in [*self.folder.glob("*.deleting"), *([replaced] if replaced.exists() else [])]:
                 shutil.rmtree(folder)
         except OSError as e:
             logger.warning(f"could not delete an old checkpoint ({e.strerror}: {e.filename}): it is left in place")
@@ -356,7 +378,7 @@ class Checkpoint:
             if self._weights is None:
                 state = {"model": get_model_state_dict(model)}
                 with _dcp_quietly():
-                    dcp.load(state, checkpoint_id=str(self.path))
+                    safe_dcp.load(state, self.path)
                 set_model_state_dict(model, state["model"])
             else:
                 set_model_state_dict(model, self._weights, options=StateDictOptions(full_state_dict=True))
@@ -372,7 +394,7 @@ class Checkpoint:
         state = {"model": model_sd, "optim": optim_sd}
         try:
             with _dcp_quietly():
-                dcp.load(state, checkpoint_id=str(self.path))
+                safe_dcp.load(state, self.path)
         except (Exception, CheckpointException) as e:
             raise DamagedCheckpoint(short_reason(e)) from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -11,7 +11,8 @@ PARTIAL_WRITE = re.compile(r"\.tmp\d+$")  # what atomic_write leaves when killed
 
 def atomic_write(path: str | Path, data: str | bytes | Callable[[BinaryIO], None]) -> None:
     """Writes `data` (or what `data(file)` writes) to a temporary file beside `path`, flushes it to disk, then renames
-    it over `path`. A failure leaves `path` as it was."""
+    it over `path` and flushes the folder, so the new content survives a power loss too. A failure leaves `path` as it
+    was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
@@ -24,6 +25,7 @@ def atomic_write(path: str | Path, data: str | bytes | Callable[[BinaryIO], None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()

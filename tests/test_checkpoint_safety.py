@@ -1,0 +1,255 @@
+"""A run folder from anyone is safe to open: no pickle in a checkpoint runs code, a kill at any moment of a save
+leaves a complete newest (or previous) checkpoint that the next start finds, every write is flushed to disk before
+it is relied on, and metrics.jsonl lines that are not records are skipped."""
+
+import contextlib
+import json
+import logging
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import tiny_argv
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from apps.bert.train import APP
+from lingua.args import UserError, load_config
+from lingua.checkpoint import MANIFEST, Checkpoint, CheckpointArgs, CheckpointManager, DamagedCheckpoint, verify
+from lingua.checkpoint import main as checkpoint_main
+from lingua.export import main as export_main
+from lingua.files import atomic_write
+from lingua.metrics import LoggingArgs, MetricLogger, read_metrics
+from lingua.train import train
+
+
+class Creates:
+    """Unpickling it creates `path` (what a crafted checkpoint would do, with a shell command instead)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+def _model_and_optimizer(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _train_state(step: int, tag: str) -> dict:
+    return {"step": step, "data_tokens": 0, "data": {"tag": tag}}
+
+
+def _saved(folder: Path, step: int = 1, seed: int = 0, tag: str = "old", keep: int = 1) -> Path:
+    model, optimizer = _model_and_optimizer(seed)
+    params = {"app": "apps.bert.train", "config": {}}
+    return CheckpointManager(folder, CheckpointArgs(keep=keep)).save(step, model, optimizer, _train_state(step, tag),
+                                                                      params)
+
+
+def _crafted_metadata(checkpoint: Path, marker: Path, hidden: bool) -> None:
+    """Replaces the checkpoint's .metadata with a pickle that creates `marker`: bare, or hidden in real metadata."""
+    metadata = dcp.FileSystemReader(checkpoint).read_metadata() if hidden else None
+    if hidden:
+        metadata.storage_meta = Creates(marker)
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata if hidden else Creates(marker)))
+    (checkpoint / MANIFEST).unlink()  # or its sizes rewritten: a crafted folder is consistent with itself
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["bare", "inside_real_metadata"])
+def test_crafted_metadata_runs_no_code_when_opened(tmp_path, hidden, capsys):
+    checkpoint, marker = _saved(tmp_path / "checkpoints"), tmp_path / "ran"
+    _crafted_metadata(checkpoint, marker, hidden)
+    with pytest.raises(UserError) as refused:
+        Checkpoint.open(checkpoint)
+    assert not marker.exists()
+    assert f"checkpoint {checkpoint} is damaged: .metadata: UnpicklingError: refused " in str(refused.value)
+    assert len(str(refused.value).splitlines()) == 1
+    with pytest.raises(SystemExit) as exit_info:  # python -m lingua.checkpoint export
+        checkpoint_main(["export", str(tmp_path), str(tmp_path / "out.pt")])
+    with pytest.raises(SystemExit) as export_exit:  # python -m lingua.export
+        export_main([f"ckpt={tmp_path}", f"out={tmp_path / 'hf'}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == export_exit.value.code == 2
+    assert err.count("error: ") == 2 and err.count(".metadata: UnpicklingError: refused") == 2, err
+    assert len(err.splitlines()) == 2 and not marker.exists()
+
+
+def test_crafted_metadata_refused_by_init_from(corpus, tmp_path):
+    checkpoint, marker = _saved(tmp_path / "other" / "checkpoints"), tmp_path / "ran"
+    _crafted_metadata(checkpoint, marker, hidden=False)
+    argv = [*tiny_argv(corpus, tmp_path / "run", steps=1), f"init_from={checkpoint}"]
+    with pytest.raises(UserError) as refused:
+        train(APP, load_config(APP.args_cls, argv))
+    assert not marker.exists()
+    assert str(refused.value).startswith(f"init_from: checkpoint {checkpoint} is damaged: .metadata: UnpicklingError: "
+                                         "refused io.open: ")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_crafted_optimizer_item_runs_no_code_when_resumed(tmp_path):
+    """DCP stores the optimizer's hyper-parameters as pickles, and its planner unpickles them without restriction."""
+    marker, folder = tmp_path / "ran", tmp_path / "0000000001"
+    model, optimizer = _model_and_optimizer(0)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    optim_sd["param_groups"][0]["lr"] = Creates(marker)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+    (folder / "params.json").write_text(json.dumps({"app": "apps.bert.train", "config": {}}))
+    with pytest.raises(DamagedCheckpoint) as refused:
+        Checkpoint.read(folder).load_training(*_model_and_optimizer(1))
+    assert not marker.exists()
+    assert str(refused.value) == "UnpicklingError: item optim.param_groups.0.lr is not plain data (refused io.open)"
+
+
+def test_real_checkpoint_loads_through_the_safe_reader(tmp_path):
+    """Its metadata and optimizer hyper-parameters are all of what the safe reader allows."""
+    path = _saved(tmp_path, seed=0)
+    model, optimizer = _model_and_optimizer(1)
+    assert Checkpoint.read(path).load_training(model, optimizer) == [_train_state(1, "old")]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), _model_and_optimizer(0)[0].parameters()))
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+class Killed(BaseException):
+    """The process dies here: no handler of the code under test runs (they catch Exception)."""
+
+
+FILESYSTEM_OPERATIONS = [(os, "replace"), (os, "rename"), (os, "fsync"), (os, "mkdir"), (os, "unlink"),
+                         (os, "rmdir"), (shutil, "rmtree")]
+
+
+@contextlib.contextmanager
+def killed_before(n: int):
+    """Counts the filesystem operations done inside; the n-th (from 1) is not done: the process is killed."""
+    calls = [0]
+
+    def counted(operation):
+        def run(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == n:
+                raise Killed
+            return operation(*args, **kwargs)
+        return run
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module, name in FILESYSTEM_OPERATIONS:
+            patch.setattr(module, name, counted(getattr(module, name)))
+        with contextlib.suppress(Killed, UserError):  # UserError: DCP turned the kill into a failed save
+            yield calls
+
+
+@pytest.mark.parametrize("existing_step", [1, 2], ids=["new_step", "same_step_again"])
+def test_a_kill_at_any_moment_of_a_save_leaves_the_newest_checkpoint(tmp_path, existing_step):
+    """keep=1: after a kill between any two filesystem operations of saving step 2, the next start finds step 2
+    (the new copy, or the old one of a step saved again), else step 1: never nothing."""
+    base = tmp_path / "base"
+    _saved(base, existing_step, seed=0, tag="old")
+    model, optimizer = _model_and_optimizer(1)
+    save = lambda folder: CheckpointManager(folder, CheckpointArgs(keep=1)).save(  # noqa: E731
+        2, model, optimizer, _train_state(2, "new"), {"app": "apps.bert.train", "config": {}})
+    with killed_before(10**9) as operations:
+        save(tmp_path / "count")
+    assert operations[0] > 5
+    for n in range(1, operations[0] + 2):
+        folder = tmp_path / f"killed_before_{n}"
+        shutil.copytree(base, folder)
+        with killed_before(n):
+            save(folder)
+        manager = CheckpointManager(folder, CheckpointArgs(keep=1))
+        manager.remove_leftovers()  # what the next start does
+        latest = manager.latest()
+        assert latest is not None, f"killed before operation {n}: no checkpoint left"
+        assert all(p.name.isdigit() for p in folder.iterdir()), n  # no leftover
+        verify(latest)
+        state = manager.load(latest, *_model_and_optimizer(2))[0]
+        found = (state["step"], state["data"]["tag"])
+        assert found in [(2, "new"), (existing_step, "old")], (n, found)
+        assert n <= operations[0] or found == (2, "new")
+
+
+def test_a_kill_while_saving_a_step_again_keeps_the_run_and_its_metrics(corpus, tmp_path):
+    """The kill window between the two renames of a step saved again: the run resumes from that step and keeps its
+    metrics (with keep=1 it used to restart from step 0 and cut metrics.jsonl)."""
+    dump = tmp_path / "run"
+    argv = [*tiny_argv(corpus, dump, steps=2), "checkpoint.keep=1"]
+    train(APP, load_config(APP.args_cls, argv))
+    (dump / "consolidated.pt").unlink()  # as if stopped at step 2 of a longer run
+    checkpoint = dump / "checkpoints" / "0000000002"
+    shutil.copytree(checkpoint, checkpoint.with_name("0000000002.tmp"))
+    checkpoint.rename(checkpoint.with_name("0000000002.replaced"))
+    logged = (dump / "metrics.jsonl").read_text().splitlines()
+    assert train(APP, load_config(APP.args_cls, [*argv, "steps=3"]))["steps"] == 3
+    lines = (dump / "metrics.jsonl").read_text().splitlines()
+    assert lines[:len(logged)] == logged  # kept as they were, timings included: not logged again
+    assert {json.loads(line)["step"] for line in lines[len(logged):]} == {3}
+    assert sorted(p.name for p in (dump / "checkpoints").iterdir()) == ["0000000003"]
+
+
+def _fsync_and_rename_log(patch: pytest.MonkeyPatch) -> list[tuple[str, Path]]:
+    """('fsync', path) for every os.fsync, ('replace', destination) for every os.replace, ('rmtree', path)."""
+    log: list[tuple[str, Path]] = []
+    fsync, replace, rmtree = os.fsync, os.replace, shutil.rmtree
+
+    def logged_fsync(descriptor):
+        log.append(("fsync", Path(os.readlink(f"/proc/self/fd/{descriptor}"))))
+        fsync(descriptor)
+
+    def logged_replace(source, destination):
+        replace(source, destination)
+        log.append(("replace", Path(destination).resolve()))
+
+    def logged_rmtree(path, *args, **kwargs):
+        log.append(("rmtree", Path(path).resolve()))
+        rmtree(path, *args, **kwargs)
+
+    patch.setattr(os, "fsync", logged_fsync)
+    patch.setattr(os, "replace", logged_replace)
+    patch.setattr(shutil, "rmtree", logged_rmtree)
+    return log
+
+
+def test_a_save_is_on_disk_before_it_is_published_and_before_older_ones_go(tmp_path, monkeypatch):
+    folder = tmp_path.resolve() / "checkpoints"
+    _saved(folder, 1)
+    log = _fsync_and_rename_log(monkeypatch)
+    _saved(folder, 2)
+    tmp, final = folder / "0000000002.tmp", folder / "0000000002"
+    published = log.index(("replace", final))
+    pruned = log.index(("replace", folder / "0000000001.deleting"))
+    for name in ("params.json", "train_state_00000.json", MANIFEST):
+        synced = [i for i, (op, path) in enumerate(log) if op == "fsync" and path.parent == tmp
+                  and path.name.startswith(name)]
+        written = log.index(("replace", tmp / name))
+        assert synced and synced[0] < written < log.index(("fsync", tmp), written) < published, name
+    assert published < log.index(("fsync", folder), published) < pruned
+    assert published < log.index(("fsync", folder.parent), published) < pruned
+
+
+def test_atomic_write_flushes_the_file_then_its_folder(tmp_path, monkeypatch):
+    path = tmp_path.resolve() / "out.json"
+    log = _fsync_and_rename_log(monkeypatch)
+    atomic_write(path, "{}")
+    assert [op for op, _ in log] == ["fsync", "replace", "fsync"]
+    assert log[0][1].name.startswith("out.json.tmp") and log[1:] == [("replace", path), ("fsync", tmp_path.resolve())]
+
+
+def test_metrics_lines_that_are_not_records_are_skipped(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n[1, 2]\n"text"\n7\n{"step": "x"}\n{"step": 2, "loss": 1.5}\n'
+                    + "[" * 100_000 + '\n{"step": 3, "lo')
+    with caplog.at_level(logging.WARNING, logger="lingua.metrics"):
+        records = read_metrics(path)
+    assert records == [{"step": 1, "loss": 2.0}, {"step": "x"}, {"step": 2, "loss": 1.5}]
+    assert [r.getMessage() for r in caplog.records] == [f"{path}: skipped 5 line(s) that are not JSON objects"]
+    with MetricLogger(path, 1, LoggingArgs(), {}):  # a resume keeps the records up to its step, drops the rest
+        pass
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0}]
