@@ -20,21 +20,24 @@ A pipeline file:
         after: [pretrain]                    # the same variant's stage; from a stage run once: every variant's
         run: apps.eval.glue ckpt={dir}/{variant}/pretrain data={glue} out={dir}/{variant}/probes
 
-`run` is a Python module and its key=value arguments (`python -m` runs it, in the snapshot of the code made when
-the stage was launched, DIR/code/HASH). On `local` the stages run one after the other on this machine, each as one
-process; on `slurm` every stage is a job (its launcher's nodes and GPUs, one task per GPU) that SLURM starts once the
-jobs of the stages it needs have succeeded, and never if one failed or was cancelled (a stage's job fails when the
-stage did). Each stage's record is in DIR/stages/STAGE/: log.txt, then done.json or failed.json, naming the command.
-Running the pipeline again skips the stages that are done (and on SLURM those still in its hands: queued, running,
-requeued), and runs again a failed or interrupted one: a training run resumes from its checkpoint. A stage that
-received a stop signal is not done, whatever its exit code; on SLURM a preemption signal (the time limit's) requeues
-its job. A stage whose command changed since it was done, queued or started is refused in one line. A local stage
-records its host and processes, so that another host or a later boot does not take it for running or gone wrongly.
+`run` is a Python module and its key=value arguments (`python -m` runs it, in the snapshot of the code made when the
+stage was launched, DIR/code/HASH), split into arguments as a shell would before the values are filled in: a value
+(a path with a space, say) stays inside its argument. Stage and variant names are letters, digits, _ and -. On
+`local` the stages run one after the other on this machine, each as one process; on `slurm` every stage is a job
+(its launcher's nodes and GPUs, one task per GPU) that SLURM starts once the jobs of the stages it needs have
+succeeded, and never if one failed or was cancelled (a stage's job fails when the stage did). Each stage's record is
+in DIR/stages/STAGE/: log.txt, then done.json or failed.json, naming the command. Running the pipeline again skips
+the stages that are done (and on SLURM those still in its hands: queued, running, requeued), and runs again a failed
+or interrupted one: a training run resumes from its checkpoint. A stage that received a stop signal is not done,
+whatever its exit code; on SLURM a preemption signal (the time limit's) requeues its job. A stage whose command
+changed since it was done, queued or started is refused in one line. A local stage records its host and processes,
+so that another host or a later boot does not take it for running or gone wrongly.
 """
 
 import dataclasses
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -55,6 +58,8 @@ PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1)  # the time limit's warnin
 FINAL_SLURM_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                       "DEADLINE")  # any other state (PENDING, REQUEUED, PREEMPTED, UNKNOWN while sacct lags ...) is
 # still in the scheduler's hands
+NAME = re.compile(r"[A-Za-z0-9_-]+")  # a stage's or a variant's: in a folder's name and a job's
+STAGE_NAME = re.compile(rf"{NAME.pattern}(\.{NAME.pattern})?")  # STAGE or STAGE.VARIANT: DIR/stages/STAGE.VARIANT
 
 
 class StageNotDone(Exception):
@@ -112,6 +117,10 @@ def load_pipeline(path: str, paths: dict[str, str] | None = None) -> Pipeline:
     resolved = {name: str(Path(str(value)).expanduser().resolve()) for name, value in given.items()}
     dump_dir = Path(resolved.pop("dump_dir", spec["dump_dir"])).expanduser().resolve()
     variants = spec.get("variants") or {}
+    bad = [(what, name) for what, names in (("stage", spec["stages"]), ("variant", variants)) for name in names
+           if not (isinstance(name, str) and NAME.fullmatch(name))]
+    if bad:
+        raise UserError(f"pipeline {path}: {bad[0][0]} {bad[0][1]!r} is not a name (letters, digits, _ and -)")
     stages = _expand(path, spec["stages"], variants, {**resolved, "dir": str(dump_dir)}, spec.get("launcher") or {})
     return Pipeline(dump_dir, _ordered(path, stages), variants, resolved, str(Path(path).resolve()))
 
@@ -127,13 +136,16 @@ def _expand(path: str, specs: dict, variants: dict, names: dict[str, str], launc
         if unknown or not stage_spec.get("run"):
             raise UserError(f"pipeline {path}: stage {name} " + (f"has an unknown key '{unknown[0]}'" if unknown
                                                                    else "has no run (a module and its arguments)"))
-        missing = [need for need in stage_spec.get("after") or [] if need.split(".")[0] not in specs]
+        after = stage_spec.get("after") or []
+        if not isinstance(after, list) or not all(isinstance(need, str) for need in after):
+            raise UserError(f"pipeline {path}: stage {name}'s after must be a list of stage names")
+        missing = [need for need in after if need.split(".")[0] not in specs]
         if missing:
             raise UserError(f"pipeline {path}: stage {name} comes after '{missing[0]}', which is not a stage")
         for variant in (variants if name in per_variant else [""]):
             values = {**names, **({"variant": variant, **variants[variant]} if variant else {})}
             try:
-                module, *args = shlex.split(stage_spec["run"].format_map(values))
+                module, *args = [word.format_map(values) for word in shlex.split(str(stage_spec["run"]))]
                 launch = {key: value.format_map(values) if isinstance(value, str) else value
                           for key, value in {**launcher, **(stage_spec.get("launcher") or {})}.items()}
             except KeyError as e:
@@ -143,8 +155,8 @@ def _expand(path: str, specs: dict, variants: dict, names: dict[str, str], launc
             except (ValueError, IndexError) as e:  # a lone brace, {0}, an unclosed quote
                 raise UserError(f"pipeline {path}: stage {name}'s run cannot be read ({e}); a literal brace is "
                                 "written {{ or }}") from None
-            after = _needs(stage_spec.get("after") or [], variant, per_variant, variants)
-            stages.append(Stage(f"{name}.{variant}" if variant else name, module, args, after, launch))
+            needs = _needs(after, variant, per_variant, variants)
+            stages.append(Stage(f"{name}.{variant}" if variant else name, module, args, needs, launch))
     return stages
 
 
@@ -316,9 +328,9 @@ def state_of(dump_dir: Path, stage: Stage, states: dict[str, str]) -> str:
         return "failed"
     if any(states.get(need) in ("failed", "blocked") for need in stage.after):
         return "blocked"
-    job = _read_json(folder / "job.json")
+    job, _ = stool.read_job_record(folder)
     if job is not None:
-        if not _slurm_job_active(job):
+        if not _slurm_job_active(dump_dir, job["job_id"]):
             return "pending"  # its job ended without an outcome (killed, timed out): it runs again
         state = "running" if (folder / "started.json").exists() else "submitted"
     elif _alive(_read_json(folder / "started.json")):
@@ -364,10 +376,11 @@ def _exists(kill, target: int) -> bool:
     return True
 
 
-def _slurm_job_active(job: dict[str, Any]) -> bool:
+def _slurm_job_active(dump_dir: Path, job_id: str) -> bool:
+    """Whether SLURM still holds the job (of the pipeline's submitit folder, not one a record names)."""
     import submitit
 
-    state = submitit.SlurmJob(job["folder"], job["job_id"]).state  # "CANCELLED by 0": the first word
+    state = submitit.SlurmJob(dump_dir / "submitit", job_id).state  # "CANCELLED by 0": the first word
     return (state.split() or ["UNKNOWN"])[0] not in FINAL_SLURM_STATES
 
 
@@ -439,7 +452,7 @@ def run_local(pipeline: Pipeline, code: Path) -> None:
 
 def _where(dump_dir: Path, stage: Stage) -> str:
     folder = stage_dir(dump_dir, stage.name)
-    job = _read_json(folder / "job.json")
+    job, _ = stool.read_job_record(folder)
     if job is not None:
         return f"SLURM job {job['job_id']}"
     started = _read_json(folder / "started.json") or {}
@@ -459,7 +472,7 @@ def submit_slurm(pipeline: Pipeline, launcher_argv: list[str], code: Path) -> No
         folder = stage_dir(pipeline.dump_dir, stage.name)
         if state == "done":
             continue
-        job = _read_json(folder / "job.json")
+        job, _ = stool.read_job_record(folder)
         if state in ("submitted", "running") and job is not None:
             job_ids[stage.name] = job["job_id"]
             print(f"{stage.name}: job {job_ids[stage.name]} already {state}")
@@ -492,11 +505,12 @@ def stage_launcher(launcher_argv: list[str], stage: Stage) -> stool.LauncherArgs
 def _describe(dump_dir: Path, stage: Stage, state: str) -> str:
     folder = stage_dir(dump_dir, stage.name)
     if state == "done":
-        seconds = json.loads((folder / "done.json").read_text())["seconds"]
-        return f"done ({seconds / 60:.1f} min)"
+        seconds = (_read_json(folder / "done.json") or {}).get("seconds")
+        return f"done ({seconds / 60:.1f} min)" if isinstance(seconds, (int, float)) else "done"
     if state == "failed":
-        failure = json.loads((folder / "failed.json").read_text())
-        return f"failed (exit {failure['code']}: {failure['reason']}); log {folder / 'log.txt'}"
+        failure = _read_json(folder / "failed.json") or {}
+        return (f"failed (exit {failure.get('code', '?')}: {failure.get('reason', 'unreadable failed.json')}); "
+                f"log {folder / 'log.txt'}")
     if state == "blocked":
         return "not started: a stage it needs did not finish"
     if state == "changed":
@@ -516,9 +530,27 @@ def format_plan(pipeline: Pipeline, launcher_argv: list[str]) -> str:
     return "\n".join(lines + [f"dry run: {len(pipeline.stages)} stage(s), nothing started"])
 
 
+def recorded_stages(dump_dir: Path) -> list[Stage]:
+    """The stages of DIR/pipeline.json; a record that is not one (a name that is not a stage's, a field missing or of
+    another type) is refused in one line."""
+    path = dump_dir / "pipeline.json"
+    try:
+        stages = [Stage(**stage) for stage in (_read_json(path) or {})["stages"]]
+    except (KeyError, TypeError):
+        stages = []
+    if not stages or not all(_is_stage(stage) for stage in stages):
+        raise UserError(f"{path} is not a pipeline record (stages with names, modules, arguments and needs)")
+    return stages
+
+
+def _is_stage(stage: Stage) -> bool:
+    lists = isinstance(stage.args, list) and isinstance(stage.after, list)
+    return (lists and all(isinstance(text, str) for text in [stage.name, stage.module, *stage.args, *stage.after])
+            and STAGE_NAME.fullmatch(stage.name) is not None and isinstance(stage.launcher, dict))
+
+
 def format_status(dump_dir: Path) -> str:
-    record = json.loads((dump_dir / "pipeline.json").read_text())
-    stages = [Stage(**stage) for stage in record["stages"]]
+    stages = recorded_stages(dump_dir)
     width = max(len("stage"), *(len(stage.name) for stage in stages))
     lines, states = [f"{'stage'.ljust(width)}  state"], {}
     for stage in stages:

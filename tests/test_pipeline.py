@@ -285,4 +285,67 @@ def test_every_state_but_a_final_one_is_in_the_schedulers_hands(monkeypatch, sta
     import submitit
 
     monkeypatch.setattr(submitit.SlurmJob, "state", property(lambda job: state))
-    assert _slurm_job_active({"folder": "/nowhere", "job_id": "1"}) is active
+    assert _slurm_job_active(Path("/nowhere"), "1") is active
+
+
+def test_a_value_stays_inside_its_argument(tmp_path):
+    """The run is split into arguments before the values are filled in: a path with a space is one argument, and a
+    value holding `key=value` adds no argument of its own."""
+    spaced = tmp_path / "a folder" / "in.json"
+    spec = write(tmp_path / "p.yaml", f"""\
+        dump_dir: {tmp_path / "out"}
+        paths: {{input: {spaced}}}
+        variants: {{v: {{word: x out=/y}}}}
+        stages:
+          only:
+            run: json.tool {{input}} name={{word}} 'quoted {{word}}'
+        """)
+    stage, = load_pipeline(str(spec)).stages
+    assert stage.module == "json.tool" and stage.args == [str(spaced), "name=x out=/y", "quoted x out=/y"]
+
+
+@pytest.mark.parametrize("stages, variants, named", [
+    ({"../x": {"run": "json.tool x"}}, {}, "stage '../x'"),
+    ({"a\nb": {"run": "json.tool x"}}, {}, "stage 'a\\nb'"),
+    ({"a.b": {"run": "json.tool x"}}, {}, "stage 'a.b'"),
+    ({"one": {"run": "json.tool {variant}"}}, {"../v": {"k": 1}}, "variant '../v'"),
+])
+def test_stage_and_variant_names_that_could_leave_the_folder_are_refused_in_one_line(tmp_path, stages, variants,
+                                                                                      named):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"dump_dir": str(tmp_path / "out"), "stages": stages, "variants": variants}))
+    with pytest.raises(UserError) as refused:
+        load_pipeline(str(path))
+    assert f"{named} is not a name (letters, digits, _ and -)" in str(refused.value)
+    assert "\n" not in str(refused.value) and not (tmp_path / "out").exists()
+
+
+def test_status_reads_a_pipeline_folder_from_anyone_without_leaving_it(tmp_path, capsys, monkeypatch):
+    """Stage records that are damaged or point elsewhere: status shows the stages (a job is asked of SLURM by its id
+    alone), and a pipeline.json whose stage would lead outside the folder is refused in one line."""
+    import submitit
+
+    from lingua import stool
+
+    pipeline = load_pipeline(str(one_stage(tmp_path, "timeit -n 1 pass")))
+    out = pipeline.dump_dir
+    (out / "stages" / "only").mkdir(parents=True)
+    (out / "pipeline.json").write_text(json.dumps(pipeline.record()))
+    (out / "stages" / "only" / "job.json").write_text(json.dumps({"job_id": "3", "folder": str(tmp_path / "x"),
+                                                                  "line": "timeit -n 1 pass"}))
+    asked = []
+    monkeypatch.setattr(submitit, "SlurmJob", lambda folder, job_id: asked.append((folder, job_id)) or
+                        type("Job", (), {"state": "RUNNING"})())
+    stool.main(["status", str(out)])
+    assert "only   submitted" in capsys.readouterr().out and asked == [(out / "submitit", "3")]
+    (out / "stages" / "only" / "failed.json").write_text("{")
+    stool.main(["status", str(out)])
+    assert "only   failed (exit ?: unreadable failed.json)" in capsys.readouterr().out
+
+    record = pipeline.record()
+    record["stages"][0]["name"] = "../../elsewhere"
+    (out / "pipeline.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit) as exit_status:
+        stool.main(["status", str(out)])
+    assert exit_status.value.code == 2 and capsys.readouterr().err == (
+        f"error: {out / 'pipeline.json'} is not a pipeline record (stages with names, modules, arguments and needs)\n")
