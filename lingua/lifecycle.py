@@ -1,15 +1,20 @@
 """A run's life on every rank: the stop signals (a preemption warning, SIGTERM, Ctrl-C) and the agreement that
 turns them, and one rank's failures, into one decision shared by all ranks; SLURM requeue; the run lock on the
-dump_dir."""
+dump_dir, a lease that holds across the hosts of a cluster file system."""
 
 import contextlib
+import dataclasses
 import datetime
-import fcntl
+import errno
 import logging
 import os
+import re
 import signal
+import stat
 import subprocess
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +22,7 @@ import torch.distributed as dist
 
 from lingua.args import UserError
 from lingua.distributed import DistributedArgs, fail_together, on_all_ranks, rank_and_world
+from lingua.files import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -133,38 +139,256 @@ def requeue_slurm_job(signal_name: str, args: DistributedArgs) -> bool:
     return True
 
 
-class RunLock:
-    """An exclusive lock on a run's dump_dir while a job trains in it, held by the job's rank 0 for all its ranks.
+HEARTBEAT_S = 30  # how often the holder renews its lease
+STALE_AFTER_S = 300  # a lease not renewed for this long is taken over, whoever holds it
+CLAIM_TIMEOUT_S = 10  # a takeover or release lasts milliseconds: a claim older than this was left by a killed process
 
-    It is an advisory `flock` on DUMP_DIR/.lock, which the kernel releases when the holder exits, however it dies:
-    a killed run never leaves it stuck. The file records the holder's pid and host for the refusal message.
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot: a reused pid starts later); None if none runs (a zombie
+    has exited)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def lease_holder() -> dict[str, str | None]:
+    """What a lease says of this process, its holder. `machine` (boot and pid namespace) is shared by the processes
+    whose pids this one can check; `job` and `round` name a SLURM job or torchrun rendezvous and its requeue or
+    restart."""
+    started = process_start(os.getpid())
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        machine = f"{boot}/{os.readlink('/proc/self/ns/pid').removeprefix('pid:[').removesuffix(']')}"
+    except OSError:
+        machine = None
+    env, jobs, rounds = os.environ, [], []
+    if "SLURM_JOB_ID" in env:
+        jobs.append(f"slurm:{env['SLURM_JOB_ID']}")
+        rounds.append(env.get("SLURM_RESTART_COUNT", "0"))
+    if "TORCHELASTIC_RUN_ID" in env:
+        jobs.append(f"torchrun:{env['TORCHELASTIC_RUN_ID']}@{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}")
+        rounds.append(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return {"pid": str(os.getpid()), "host": os.uname().nodename, "started": started,
+            "machine": machine if started else None, "job": "+".join(jobs) or None, "round": ".".join(rounds) or None}
+
+
+def lease_text(holder: dict[str, str | None]) -> str:
+    """A lease's one line: `pid N on HOST` (what a refusal quotes), then what tells that its holder is gone."""
+    fields = [f"{key}={''.join(value.split())}" for key, value in holder.items()
+              if key not in ("pid", "host") and value is not None]
+    return " ".join([f"pid {holder['pid']} on {holder['host']}", *fields]) + "\n"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A lease file as read: its identity (inode and text), its last renewal (mtime) and its holder, from a text
+    `pid N on HOST key=value ...`. A lease being created is empty for a moment; an older library wrote the first
+    four words alone."""
+
+    inode: int
+    text: str
+    renewed_ns: int
+    pid: int | None = None
+    host: str | None = None
+    fields: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, status: os.stat_result, text: str) -> "Lease":
+        words = text.split()
+        if len(words) < 4 or words[0] != "pid" or not re.fullmatch("[0-9]{1,9}", words[1]) or words[2] != "on":
+            return cls(status.st_ino, text, status.st_mtime_ns)
+        fields = dict(word.split("=", 1) for word in words[4:] if "=" in word)
+        return cls(status.st_ino, text, status.st_mtime_ns, int(words[1]), words[3], fields)
+
+    @classmethod
+    def read(cls, path: Path) -> "Lease | None":
+        """The lease at `path`, None if there is none. A link there is never followed, and refused like anything
+        else that is not a file."""
+        try:
+            descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO must not block
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UserError(f"{path} is a symbolic link, not a run lease: delete it (the run lock never follows "
+                                "one)") from None
+            raise UserError(f"cannot read the run lease {path}: {e.strerror}") from None
+        try:
+            status = os.fstat(descriptor)
+            if not stat.S_ISREG(status.st_mode):
+                raise UserError(f"{path} is not a file, so not a run lease: delete it")
+            text = os.read(descriptor, 4096).decode(errors="replace")
+        finally:
+            os.close(descriptor)
+        return cls.parse(status, text)
+
+    @property
+    def holder(self) -> str:
+        return f"pid {self.pid} on {self.host}" if self.pid is not None else "another process"
+
+    def stale_because(self, stale_after_s: float) -> str | None:
+        """Why its holder is certainly gone; None if it may still train."""
+        me = lease_holder()
+        if me["machine"] is not None and self.fields.get("machine") == me["machine"]:  # its pid is checkable
+            return None if process_start(self.pid) == self.fields.get("started") else "its process is gone"
+        if me["job"] is not None and self.fields.get("job") == me["job"] and self.fields.get("round") != me["round"]:
+            return "its job has been requeued or restarted since (a new round starts once the last one has stopped)"
+        age = time.time() - self.renewed_ns / 1e9
+        return f"not renewed for {age:.0f} s" if age > stale_after_s else None
+
+
+class RunLock:
+    """An exclusive lease on a run's dump_dir while a job trains in it, held by the job's rank 0 for all its ranks;
+    it holds across the hosts of a cluster file system (NFS, Lustre, BeeGFS), where `flock` may be local to a host.
+
+    The lease is DUMP_DIR/.lock, created exclusively and never through a link, one line naming its holder (`pid N
+    on HOST started=... machine=... job=... round=...`); a thread renews it (sets its mtime) every `heartbeat_s`.
+    Another start is refused while the lease may be live, and takes it over once its holder is certainly gone: on
+    the same machine (same boot and pid namespace) when its pid runs no more or runs another process (another start
+    time), in the same SLURM job or torchrun rendezvous when the job has restarted since, anywhere when it has not
+    been renewed for `stale_after_s` (the hosts' clocks must agree to within a minute or so). A process removes a
+    lease, to take it over or at the end of its own run, only under the lease's claim: DUMP_DIR/.lock.claim-INODE,
+    created exclusively, under which it checks that the lease is still the one it judged. Of two processes racing
+    for a stale lease, one removes it and creates its own; the other finds that one live and is refused.
     """
 
-    def __init__(self, dump_dir: Path):
+    def __init__(self, dump_dir: Path, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
         self.path = Path(dump_dir) / ".lock"
-        self.file = None
+        self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
+        self.descriptor: int | None = None  # of this process's lease, while it holds one (rank 0)
+        self.lease: Lease | None = None
+        self.released = threading.Event()
+        self.renewer: threading.Thread | None = None
 
     def __enter__(self):
-        on_all_ranks(self._acquire)
+        try:
+            on_all_ranks(self._acquire)
+        except BaseException:
+            self._release()  # rank 0 took the lease, but the ranks could not agree
+            raise
         return self
 
-    def _acquire(self) -> None:
-        file = open(self.path, "a+")
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            file.seek(0)
-            holder = file.read().strip() or "another process"
-            file.close()
-            raise UserError(f"{self.path.parent} is in use by a running training ({holder}); "
-                            "wait for it to end or use another dump_dir") from None
-        except OSError as e:  # a file system without flock (ENOLCK, EOPNOTSUPP): train, but unguarded
-            logger.warning(f"cannot lock {self.path} ({e.strerror}): nothing stops a second run in this dump_dir")
-        file.truncate(0)
-        file.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
-        file.flush()
-        self.file = file
-
     def __exit__(self, *exc):
-        if self.file is not None:
-            self.file.close()  # releases the lock; the file stays (removing it could race with a new holder)
+        self._release()
+
+    def _acquire(self) -> None:
+        while not self._create():
+            lease = Lease.read(self.path)
+            if lease is None:
+                continue  # released meanwhile
+            reason = lease.stale_because(self.stale_after_s)
+            if reason is None:
+                age = max(0.0, time.time() - lease.renewed_ns / 1e9)
+                raise UserError(f"{self.path.parent} is in use by a running training ({lease.holder}, lease "
+                                f"{self.path} renewed {age:.0f} s ago); wait for it to end or use another dump_dir; "
+                                f"if it is gone, start again once the lease is {self.stale_after_s:.0f} s old, or "
+                                f"delete {self.path}")
+            with self._claim(lease) as claimed:
+                if claimed and self._remove_if_unchanged(lease):
+                    logger.warning(f"took over the run lease {self.path} of {lease.holder}: {reason}")
+            if not claimed:
+                self._wait_for_claim(lease)
+        self.renewer = threading.Thread(target=self._renew, name="run-lease-heartbeat", daemon=True)
+        self.renewer.start()
+
+    def _create(self) -> bool:
+        """Creates this process's lease, unless there is one (or a link, or anything else) at its path."""
+        try:
+            descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise UserError(f"cannot create the run lease {self.path}: {e.strerror}") from None
+        text = lease_text(lease_holder())
+        try:
+            os.write(descriptor, text.encode())
+            os.fsync(descriptor)  # NFS shows the text to other hosts only once written back
+            fsync_dir(self.path.parent)
+        except OSError as e:
+            os.close(descriptor)
+            os.unlink(self.path)
+            raise UserError(f"cannot write the run lease {self.path}: {e.strerror}") from None
+        self.descriptor, self.lease = descriptor, Lease.parse(os.fstat(descriptor), text)
+        return True
+
+    def _claim_path(self, lease: Lease) -> Path:
+        return self.path.with_name(f"{self.path.name}.claim-{lease.inode}")
+
+    @contextlib.contextmanager
+    def _claim(self, lease: Lease):
+        """Yields whether this process alone may now remove `lease`: it created the lease's claim (removed on exit).
+        Since a lease is only removed under its claim, it cannot change while the claim is held."""
+        claim = self._claim_path(lease)
+        try:
+            os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+        except FileExistsError:
+            yield False
+            return
+        except OSError as e:
+            raise UserError(f"cannot create {claim}: {e.strerror}") from None
+        try:
+            yield True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(claim)
+
+    def _remove_if_unchanged(self, lease: Lease) -> bool:
+        """Under its claim: removes the lease if it is still `lease` (the same file, text and renewal)."""
+        if Lease.read(self.path) != lease:
+            return False
+        os.unlink(self.path)
+        fsync_dir(self.path.parent)
+        return True
+
+    def _wait_for_claim(self, lease: Lease) -> None:
+        """Another process is taking over or releasing `lease`: a moment, unless it was killed while doing so."""
+        claim = self._claim_path(lease)
+        try:
+            age = time.time() - os.lstat(claim).st_mtime
+        except FileNotFoundError:
+            return
+        if age > CLAIM_TIMEOUT_S:
+            raise UserError(f"{claim} was left by a process killed while taking over or releasing the run lease "
+                            f"{self.path}: if no training runs in {self.path.parent}, delete both files")
+        time.sleep(0.05)
+
+    def _renew(self) -> None:
+        """The heartbeat: sets the lease's mtime to now every `heartbeat_s`. If the lease was taken over (this
+        process stalled for `stale_after_s`), says so once and stops."""
+        while not self.released.wait(self.heartbeat_s):
+            try:
+                ours = os.lstat(self.path).st_ino == self.lease.inode
+                if ours:
+                    os.utime(self.descriptor)
+            except FileNotFoundError:
+                ours = False
+            except OSError as e:
+                logger.warning(f"cannot renew the run lease {self.path} ({e.strerror}): trying again in "
+                               f"{self.heartbeat_s:.0f} s")
+                continue
+            if not ours:
+                logger.error(f"the run lease {self.path} was taken over by another process (this one did not renew "
+                             f"it for {self.stale_after_s:.0f} s): another training may be writing to "
+                             f"{self.path.parent}")
+                return
+
+    def _release(self) -> None:
+        """Stops the heartbeat and removes the lease if it is still this process's."""
+        if self.descriptor is None:
+            return
+        self.released.set()
+        if self.renewer is not None:
+            self.renewer.join()
+        try:
+            own = dataclasses.replace(self.lease, renewed_ns=os.fstat(self.descriptor).st_mtime_ns)
+            with self._claim(own) as claimed:
+                if not (claimed and self._remove_if_unchanged(own)):
+                    logger.warning(f"the run lease {self.path} was taken over by another process: left in place")
+        except (OSError, UserError) as e:
+            logger.warning(f"cannot remove the run lease {self.path}: {e}")
+        finally:
+            os.close(self.descriptor)
+            self.descriptor = self.lease = None

@@ -79,9 +79,9 @@ def test_a_second_trainer_on_a_live_dump_dir_is_refused(corpus, tmp_path, capsys
     dump.mkdir()
     with RunLock(dump):  # a live run: a thread, process or node holding the dump_dir
         status, err = run_main(tiny_argv(corpus, dump, steps=2), capsys)
+        assert sorted(p.name for p in dump.iterdir()) == [".lock"]  # the refused start wrote nothing
     assert status == 2
     assert_one_line(err, "is in use by a running training (pid")
-    assert sorted(p.name for p in dump.iterdir()) == [".lock"]  # the refused start wrote nothing
 
 
 def test_a_killed_trainer_leaves_no_stuck_lock(corpus, tmp_path, capsys):
