@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import tiny_argv
+from test_checkpoint import _model_and_optimizer
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from apps.bert.train import APP
@@ -34,15 +35,6 @@ class Creates:
 
     def __reduce__(self):
         return open, (str(self.path), "w")
-
-
-def _model_and_optimizer(seed: int):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(3, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer
 
 
 def _train_state(step: int, tag: str) -> dict:
