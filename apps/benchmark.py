@@ -159,7 +159,7 @@ def build_contender_model(label: str, args: BenchmarkArgs, device: torch.device)
     app, model_args = app_variant(label, base | {"encoder": to_dict(args.encoder)})
     tokenizer = SimpleNamespace(vocab_size=args.vocab_size, mask_id=args.vocab_size - 1)
     parallel = (DistributedArgs(compile=args.compile), Launch())
-    return build_model(app.build_model, model_args, tokenizer, device, args.seed, parallel)
+    return build_model(app.build_model, model_args, tokenizer, device, args.seed, parallel, plan=app.parallelize)
 
 
 def build(label: str, args: BenchmarkArgs, device: torch.device) -> Contender:

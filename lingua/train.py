@@ -193,7 +193,7 @@ class Trainer:
             app, args, dump_dir, device, launch, activity
         self.tokenizer = build_tokenizer(args.data.tokenizer)
         self.model = build_model(app.build_model, args.model, self.tokenizer, device, args.seed,
-                                 (args.distributed, launch))
+                                 (args.distributed, launch), plan=app.parallelize)
         check_batch_shape(self.model, app.data.row_shape(args.data), device)
         self.optimizer = build_optimizer(self.model, args.optim)
         self.params = {"app": app.name, "config": to_dict(args)}

@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from conftest import kill_after_first_checkpoint_then_restart, read_metrics, tin
 from apps.bert.train import APP
 from lingua.args import load_config
 from lingua.checkpoint import load_model
+from lingua.parallel import parallelize
 from lingua.train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,6 +39,23 @@ def test_loss_falls_and_run_artifacts(corpus, tmp_path):
         assert key in record
     val = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines() if "val/loss" in line]
     assert [v["step"] for v in val] == [10, 20, 30, 40]
+
+
+def test_an_apps_parallelism_plan_is_the_one_trained(corpus, tmp_path, monkeypatch):
+    """App.parallelize replaces the default plan in training: the app's plan runs, once, on the app's model."""
+    planned = []
+
+    def plan(model, distributed, launch, device):
+        planned.append((type(model).__name__, distributed.fsdp_type, launch.world_size))
+        parallelize(model, model.sharding_units(), distributed, launch, device)
+
+    def default_plan(*args, **kwargs):
+        raise AssertionError("the default plan ran in place of the app's")
+
+    monkeypatch.setattr("lingua.app.parallelize", default_plan)
+    app = replace(APP, parallelize=plan)
+    summary = train(app, load_config(app.args_cls, tiny_argv(corpus, tmp_path / "run", steps=2)))
+    assert summary["steps"] == 2 and planned == [("Bert", "full_shard", 1)]
 
 
 def test_exact_resume(corpus, tmp_path):
