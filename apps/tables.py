@@ -3,16 +3,18 @@
     python -m apps.tables table=3|2|4|5|6|7 dir=PIPELINE_DIR [out=TABLE.md]
 
 It reads, for each variant V of the pipeline (DIR/pipeline.json), what its stages wrote under DIR/V/:
-- pretrain/: the pre-training run (parameters from its log, training FLOPs in the paper's counting, the median
-  tokens/s);
+- pretrain/: the pre-training run (parameters and processes from its log, training FLOPs in the paper's counting,
+  the median token-views/s per GPU: the paper's tps, CrossBERT with CMS counting each sequence's 2 views);
 - probes/results.json: the frozen GLUE probes (apps.eval.glue);
 - finetune*/: the GLUE fine-tuning sweeps, each task at the learning rate chosen on dev (apps.finetune.table);
 - mteb_*_frozen/ and mteb_*_full/results.json: MTEB after contrastive training over the frozen backbone or of the
   whole model (apps.eval.mteb), a section per benchmark.
 
 A variant's `app` names the paper's row beside it in Table 3; in the ablations its `row` labels its row and picks
-the paper's. Columns are the tasks that were run; an average over fewer tasks than the paper's is marked, and the
-paper's row beside it is averaged over the same tasks. Prints Markdown, and writes it to `out` if given.
+the paper's. Columns are the tasks that were run; each table names its metrics. GLUE: an average over fewer tasks
+than the paper's is marked, and the paper's row beside it is averaged over the same tasks (from its per-task numbers).
+MTEB: the paper's rows appear only beside a run of the whole benchmark (the paper gives no per-task numbers), a
+subset is shown alone with its number of tasks. Prints Markdown, and writes it to `out` if given.
 """
 
 import json
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from apps import paper
 from apps.eval.mteb import benchmark_of
-from apps.finetune.table import choose, read_results
+from apps.finetune.table import choose, metric_names, read_results
 from lingua.args import UserError, command_line, load_config
 from lingua.eval.glue import TASKS
 from lingua.eval.mteb import CATEGORIES
@@ -47,15 +49,18 @@ class TablesArgs:
 
 
 def pretraining(run: Path) -> dict | None:
-    """Parameters, FLOPs and tokens/s of a pre-training run, or None before it has logged a step."""
+    """Parameters, FLOPs and token-views/s per process (GPU) of a pre-training run, or None before it has logged a
+    step. The processes are those of its latest start (train.log: "on N process(es)"); tps is None without it."""
     records = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r] if run.is_dir() else []
     if not records:
         return None
     log = (run / "train.log").read_text(errors="replace") if (run / "train.log").exists() else ""
     found = re.search(r": ([\d,]+) parameters", log)
+    worlds = re.findall(r" on (\d+) process\(es\)", log)
+    views_per_s = statistics.median(r["token_views_per_s"] for r in records[1:] or records)  # over all processes
     return {"params": int(found.group(1).replace(",", "")) if found else None,
             "flops": records[-1]["compute_flops"],
-            "tps": statistics.median(r["data_tokens_per_s"] for r in records[1:] or records)}
+            "tps": views_per_s / int(worlds[-1]) if worlds else None}
 
 
 def probe_scores(folder: Path) -> dict[str, dict[str, float]]:
@@ -77,16 +82,21 @@ def finetune_scores(variant_dir: Path) -> dict[str, float]:
     return {task: entry["score"] for tasks in chosen.values() for task, entry in tasks.items()}
 
 
-def mteb_sections(folder: Path) -> dict[tuple[str, str], dict[str, float]]:
-    """{(benchmark, protocol): {category: score, "Avg.", "Overall"}} of the variant's MTEB results."""
+def mteb_results(folder: Path) -> dict[tuple[str, str], dict]:
+    """{(benchmark, protocol): results.json} of the variant's MTEB evaluations (benchmark: `benchmark_of`, which
+    names a subset by its tasks)."""
     sections = {}
     for path in sorted(folder.glob("mteb_*/results.json")):
         protocol = path.parent.name.rsplit("_", 1)[-1]
-        if protocol not in ("frozen", "full"):
-            continue
-        results = json.loads(path.read_text())
-        sections[(benchmark_of(results), protocol)] = results["summary"]
+        if protocol in ("frozen", "full"):
+            results = json.loads(path.read_text())
+            sections[(benchmark_of(results), protocol)] = results
     return sections
+
+
+def whole_benchmark(benchmark: str) -> bool:
+    """Whether results named so (`benchmark_of`) are a whole benchmark of the paper's, beside which its rows belong."""
+    return any(benchmark == published for published, _ in paper.MTEB)
 
 
 @dataclass
@@ -96,11 +106,16 @@ class Variant:
     pretrain: dict | None
     probes: dict[str, dict[str, float]]
     finetune: dict[str, float]
-    mteb: dict[tuple[str, str], dict[str, float]]
+    mteb_runs: dict[tuple[str, str], dict]  # results.json per (benchmark, protocol)
 
     @property
     def label(self) -> str:
         return str(self.keys.get("row", self.name))
+
+    @property
+    def mteb(self) -> dict[tuple[str, str], dict[str, float]]:
+        """{(benchmark, protocol): {category: score, "Avg.", "Overall"}}."""
+        return {key: results["summary"] for key, results in self.mteb_runs.items()}
 
 
 def read_pipeline(folder: Path) -> list[Variant]:
@@ -109,7 +124,7 @@ def read_pipeline(folder: Path) -> list[Variant]:
         raise UserError(f"{folder} holds no pipeline (pipeline.json): python -m lingua.stool pipeline writes it")
     variants = json.loads(record.read_text())["variants"]
     return [Variant(name, keys, pretraining(folder / name / "pretrain"), probe_scores(folder / name / "probes"),
-                    finetune_scores(folder / name), mteb_sections(folder / name))
+                    finetune_scores(folder / name), mteb_results(folder / name))
             for name, keys in variants.items()]
 
 
@@ -127,7 +142,8 @@ def _markdown(header: list[str], rows: list[list[str]]) -> list[str]:
 def glue_section(title: str, ours: list[tuple[str, list[str], dict[str, float]]],
                  theirs: list[tuple[str, list[str], tuple]], meta: list[str] = ()) -> list[str]:
     """A GLUE block: our rows (label, meta cells, {task: score}), then the paper's (label, meta cells, scores in
-    TASKS order then the average); columns are the tasks any of ours has."""
+    TASKS order then the average), then its metrics; columns are the tasks any of ours has, and on fewer tasks than
+    the paper's the paper's rows are averaged over the same tasks, as the caption says."""
     tasks = [t for t in TASKS if any(t in scores for _, _, scores in ours)]
     if not tasks:
         return []
@@ -142,34 +158,56 @@ def glue_section(title: str, ours: list[tuple[str, list[str], dict[str, float]]]
         values = dict(zip(TASKS, published))
         mean = published[-1] if full else sum(values[t] for t in tasks) / len(tasks)
         rows.append([f"*{label}*", *cells, *(_cell(values[t]) for t in tasks), _cell(mean)])
-    return [f"**{title}**", ""] + _markdown(["Model", *meta, *(TASKS[t].title for t in tasks), average], rows) + [""]
+    notes = [metric_names(tasks)]
+    if theirs and not full:
+        notes.append(f"The paper's rows: its numbers on these {len(tasks)} tasks, averaged here as ours (its own "
+                     f"average is over all {len(TASKS)}).")
+    header = ["Model", *meta, *(TASKS[t].title for t in tasks), average]
+    return [f"**{title}**", ""] + _markdown(header, rows) + ["", " ".join(notes), ""]
 
 
-def mteb_section(title: str, ours: list[tuple[str, list[str], dict[str, float]]],
-                 theirs: list[tuple[str, list[str], tuple]], meta: list[str] = ()) -> list[str]:
-    """An MTEB block: the paper's task types that any of ours has, then Avg. (the mean over those types, the
-    paper's too) and Overall (the mean over tasks: the paper's only over all of its types)."""
-    categories = [c for c in CATEGORIES if any(c in scores for _, _, scores in ours)]
-    if not categories:
+def mteb_metrics(runs: list[dict]) -> str:
+    """The main score of each task type in these results.json (mteb's, per task), e.g. "STS cosine_spearman"."""
+    by_type: dict[str, set] = {}
+    for results in runs:
+        for task in results.get("tasks", {}).values():
+            by_type.setdefault(task["type"], set()).add(task["metric"])
+    named = "; ".join(f"{SHORT.get(t, t)} {', '.join(sorted(by_type[t]))}"
+                      for t in [*CATEGORIES, *sorted(set(by_type) - set(CATEGORIES))] if t in by_type)
+    return ("Metrics (in %): each task's main score in mteb" + (f" ({named})" if named else "")
+            + ", averaged per task type; Avg.: the mean over the types, Overall: over the tasks.")
+
+
+def mteb_section(title: str, ours: list[tuple[str, list[str], dict]], theirs: list[tuple[str, list[str], tuple]],
+                 meta: list[str] = (), whole: bool = True) -> list[str]:
+    """An MTEB block: our rows (label, meta cells, results.json), the paper's (label, meta cells, its numbers: only
+    beside a whole benchmark of its), then the metrics. Columns: the task types any of ours has, Avg. (the mean over
+    those types) and Overall (the mean over tasks). A subset of a benchmark (`whole` false) is shown alone, with its
+    number of tasks, since the paper gives no per-task numbers to average alike."""
+    present = [c for c in CATEGORIES if any(c in results["summary"] for _, _, results in ours if results)]
+    if not present:
         return []
-    full = len(categories) == len(CATEGORIES)
-    rows = [[label, *cells, *(_cell(scores.get(c)) for c in [*categories, "Avg.", "Overall"])]
-            for label, cells, scores in ours]
+    categories = CATEGORIES if whole else present
+    if not whole:
+        counts = sorted({len(results.get("tasks", {})) for _, _, results in ours if results})
+        title += f" ({'/'.join(map(str, counts))} tasks: the paper's rows, over its whole benchmark, do not compare)"
+        theirs = []
+    rows = [[label, *cells, *(_cell(results.get("summary", {}).get(c)) for c in [*categories, "Avg.", "Overall"])]
+            for label, cells, results in ours]
     for label, cells, published in theirs:
         values = dict(zip([*CATEGORIES, "Avg.", "Overall"], published))
-        average = values["Avg."] if full else sum(values[c] for c in categories) / len(categories)
-        rows.append([f"*{label}*", *cells, *(_cell(values[c]) for c in categories), _cell(average),
-                     _cell(values["Overall"] if full else None)])
-    average = "Avg." if full else f"Avg. ({len(categories)} of {len(CATEGORIES)} types)"
+        rows.append([f"*{label}*", *cells, *(_cell(values[c]) for c in [*categories, "Avg.", "Overall"])])
+    average = "Avg." if whole else f"Avg. ({len(categories)} types)"
     header = ["Model", *meta, *(SHORT[c] for c in categories), average, "Overall"]
-    return [f"**{title}**", ""] + _markdown(header, rows) + [""]
+    notes = mteb_metrics([results for _, _, results in ours if results])
+    return [f"**{title}**", ""] + _markdown(header, rows) + ["", notes, ""]
 
 
 def _meta(variant: Variant) -> list[str]:
     run = variant.pretrain or {}
     params = f"{run['params'] / 1e6:.1f}M" if run.get("params") else "–"
     flops = f"{run['flops']:.1e}".replace("e+", "e") if run else "–"
-    tps = f"{run['tps'] / 1e3:.1f}k" if run else "–"
+    tps = f"{run['tps'] / 1e3:.1f}k" if run.get("tps") else "–"
     return [params, flops, tps]
 
 
@@ -181,7 +219,9 @@ def table3(variants: list[Variant]) -> list[str]:
         return [(f"{app}, paper", list(paper.SINGLE_SCALE[app]), numbers[app]) for app in apps if app in numbers]
 
     lines = ["# Table 3", "", "Ours: this pipeline's runs; *italic*: the paper's. FLOPs in the paper's counting "
-             "(eq. 6-8); tps: the median training tokens/s of the pre-training run.", ""]
+             "(eq. 6-8); tps, as the paper's: training token-views per second per GPU (the median over the "
+             "pre-training run's log lines, divided by its processes; CrossBERT with CMS sees each sequence twice).",
+             ""]
     lines += glue_section("GLUE, full fine-tuning (dev; median over seeds at the learning rate chosen on dev)",
                           [(v.name, _meta(v), v.finetune) for v in variants], published(paper.GLUE_FINETUNE), meta)
     lines += glue_section("GLUE, linear probe on frozen features",
@@ -189,15 +229,13 @@ def table3(variants: list[Variant]) -> list[str]:
                           published(paper.GLUE_LINEAR), meta)
     lines += glue_section("GLUE, kNN probe on frozen features (not in the paper's table)",
                           [(v.name, _meta(v), v.probes.get("knn", {})) for v in variants], [], meta)
-    sections = list(dict.fromkeys(key for v in variants for key in v.mteb))
+    sections = list(dict.fromkeys(key for v in variants for key in v.mteb_runs))
     for benchmark, protocol in sorted(sections, key=lambda key: (key[0], key[1] != "full")):
         how = "whole model" if protocol == "full" else "over frozen features, attention pooler"
-        known = (benchmark, protocol) in paper.MTEB
-        theirs = published(paper.MTEB[(benchmark if known else "MTEB(eng, v1)", protocol)])
-        note = "" if known else " (the paper's rows: MTEB(eng, v1), other tasks)"
-        lines += mteb_section(f"{benchmark}, contrastive fine-tuning, {how}{note}",
-                              [(v.name, _meta(v), v.mteb.get((benchmark, protocol), {})) for v in variants],
-                              theirs, meta)
+        theirs = published(paper.MTEB.get((benchmark, protocol), {}))
+        lines += mteb_section(f"{benchmark}, contrastive fine-tuning, {how}",
+                              [(v.name, _meta(v), v.mteb_runs.get((benchmark, protocol), {})) for v in variants],
+                              theirs, meta, whole_benchmark(benchmark))
     return lines
 
 
@@ -208,17 +246,22 @@ def glue_ablation(title: str, variants: list[Variant], published: dict, row_name
 
 
 def table2(variants: list[Variant]) -> list[str]:
+    """The paper gives only its 8-task averages: one stands beside ours only where ours is over the same 8 tasks."""
     lines = ["# Table 2: CrossBERT's masking ratio at an equal data budget", "",
              "Average frozen GLUE score (linear probe) by masking ratio (%).", ""]
-    averages = []
+    averages, theirs = [], []
     for v in variants:
         scores = v.probes.get("linear", {})
         averages.append(_cell(sum(scores.values()) / len(scores) if scores else None))
+        theirs.append(_cell(paper.CROSSBERT_MASK_RATIO.get(v.label) if len(scores) == len(TASKS) else None))
     tasks = sorted({len(v.probes.get("linear", {})) for v in variants})
     lines += _markdown(["Masking ratio (%)", *(v.label for v in variants)],
                        [[f"CrossBERT (Avg. over {'/'.join(map(str, tasks))} tasks)", *averages],
-                        ["*CrossBERT, paper (8 tasks)*",
-                         *(_cell(paper.CROSSBERT_MASK_RATIO.get(v.label)) for v in variants)]])
+                        [f"*CrossBERT, paper ({len(TASKS)} tasks)*", *theirs]])
+    lines += ["", metric_names([t for t in TASKS if any(t in v.probes.get("linear", {}) for v in variants)])]
+    if tasks != [len(TASKS)]:
+        lines.append(f"The paper publishes only its {len(TASKS)}-task averages: none beside an average over fewer "
+                     "tasks (–).")
     return lines + [""]
 
 
@@ -233,11 +276,12 @@ def table4(variants: list[Variant]) -> list[str]:
 
 def table7(variants: list[Variant]) -> list[str]:
     lines = ["# Table 7: the pooler warm-started from CrossBERT's predictor, or cold", ""]
-    for benchmark in dict.fromkeys(b for v in variants for b, protocol in v.mteb if protocol == "frozen"):
+    for benchmark in dict.fromkeys(b for v in variants for b, protocol in v.mteb_runs if protocol == "frozen"):
         theirs = [(f"{v.label}, paper", [], paper.WARM_START[v.label]) for v in variants
                   if v.label in paper.WARM_START and benchmark == "MTEB(eng, v2)"]
         lines += mteb_section(f"{benchmark}, contrastive fine-tuning over frozen features",
-                              [(v.label, [], v.mteb.get((benchmark, "frozen"), {})) for v in variants], theirs)
+                              [(v.label, [], v.mteb_runs.get((benchmark, "frozen"), {})) for v in variants], theirs,
+                              whole=whole_benchmark(benchmark))
     return lines
 
 

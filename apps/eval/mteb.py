@@ -44,8 +44,12 @@ class MtebCommandArgs:
 
 
 def benchmark_of(results: dict) -> str:
-    """What a results.json of this command scored: the benchmark's name, or "offline stand-ins"."""
-    return "offline stand-ins" if results["args"].get("offline") else results["args"]["benchmark"]
+    """What a results.json of this command scored: "offline stand-ins", the benchmark's name when it ran the whole
+    benchmark, or the benchmark's name and the tasks it ran (`tasks=`), so that a subset is never taken for it."""
+    args = results["args"]
+    if args.get("offline"):
+        return "offline stand-ins"
+    return f"{args['benchmark']}: {', '.join(args['tasks'])}" if args.get("tasks") else args["benchmark"]
 
 
 def output_dir(args: MtebCommandArgs) -> Path:

@@ -6,7 +6,8 @@ Every finished fine-tuning run below the folders counts (its config.yaml, and be
 epoch). Runs are grouped by the pre-training checkpoint they descend from (through an MNLI start; `origin`, recorded
 at the start); per model and task, the learning rate with the best median over seeds is chosen on dev, and the table
 shows that median; the average is over the tasks present. The paper's row is printed beside a model of the paper's
-shape (its app's single_scale.yaml encoder). Writes table.md and table.json into the first folder.
+shape (its app's single_scale.yaml encoder), on the same tasks and averaged over them. Writes table.md and table.json
+into the first folder.
 """
 
 import json
@@ -87,6 +88,23 @@ def paper_app(model: str) -> str | None:
     return name if all(ours.get(key) == paper[key] for key in ("dim", "n_layers", "n_heads")) else None
 
 
+METRIC_NAMES = {"acc": "accuracy", "f1": "F1", "mcc": "Matthews correlation", "pearson": "Pearson correlation",
+                "spearman": "Spearman correlation"}
+
+
+def metric_names(tasks: list[str]) -> str:
+    """How the tasks are scored (their headline metric, on dev), e.g. "Metrics (dev, in %): MNLI matched and RTE
+    accuracy; CoLA Matthews correlation."."""
+    by_metric: dict[str, list[str]] = {}
+    for name in tasks:
+        task = TASKS[name]
+        label = f"{task.title} matched" if task.dev_file == "dev_matched" else task.title
+        by_metric.setdefault(task.headline, []).append(label)
+    groups = [(", ".join(labels[:-1]) + " and " if len(labels) > 1 else "") + f"{labels[-1]} {METRIC_NAMES[metric]}"
+              for metric, labels in by_metric.items()]
+    return "Metrics (dev, in %): " + "; ".join(groups) + "."
+
+
 def format_table(table: dict) -> str:
     header = f"{'model':<28}" + "".join(f"{t.title:>6}" for t in TASKS.values()) + f"{'Avg.':>6}"
     lines = ["GLUE fine-tuning, dev: per task the median over seeds at the learning rate chosen on dev", header]
@@ -100,9 +118,14 @@ def format_table(table: dict) -> str:
             f"{tasks[name]['lr']:>6.0e}" if name in tasks else f"{'':>6}" for name in TASKS))
         paper = paper_app(model)
         if paper is not None:
-            lines.append(f"{'  paper: ' + paper:<28}" + "".join(f"{v:>6.1f}" for v in GLUE_FINETUNE[paper]))
+            published = dict(zip(TASKS, GLUE_FINETUNE[paper]))
+            mean = sum(published[name] for name in tasks) / len(tasks)
+            cells = "".join(f"{published[name]:>6.1f}" if name in tasks else f"{'-':>6}" for name in TASKS)
+            lines.append(f"{'  paper: ' + paper:<28}{cells}{mean:>6.1f}{partial}")
     if any(len(tasks) < len(TASKS) for tasks in table.values()):
-        lines.append("* the average of the tasks present (the paper's is over all 8)")
+        lines.append("* the average of the tasks present, the paper's too (from its per-task numbers; its own average "
+                     f"is over all {len(TASKS)})")
+    lines.append(metric_names([name for name in TASKS if any(name in tasks for tasks in table.values())]))
     return "\n".join(lines)
 
 
