@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from apps.contrastive import train as contrastive
 from apps.contrastive.data import TripletDataArgs, TripletLoader, encode_texts
-from apps.contrastive.model import info_nce
+from apps.contrastive.model import eq5_loss, info_nce
 from apps.crossbert.train import APP as CROSSBERT
 from lingua.args import UserError, load_config
 from lingua.checkpoint import load_model
@@ -233,3 +233,21 @@ def test_a_run_trains_with_eq5_as_written(pretrained, tmp_path):
     triplets = write_triplets(tmp_path / "train.jsonl", 32)
     _, summary = run_contrastive(contrastive_argv(triplets, tmp_path / "eq5", pretrained, 3, "model.loss=eq5"))
     assert summary["steps"] == 3 and math.isfinite(summary["final_loss"])
+
+
+def test_eq5_refuses_a_temperature_it_would_ignore():
+    with pytest.raises(UserError, match="temperature") as error:
+        load_config(contrastive.APP.args_cls, ["dump_dir=x", "model.loss=eq5", "model.temperature=0.1"])
+    assert "\n" not in str(error.value) and "not used by loss=eq5" in str(error.value)
+    simclr = load_config(contrastive.APP.args_cls, ["dump_dir=x", "model.loss=simclr", "model.temperature=0.1"])
+    assert simclr.model.temperature == 0.1
+
+
+def test_eq5_raw_cosine_logits_bound_its_loss_above_ln_1_plus_7_over_e2():
+    """The best eq5 can do with 1 positive and 7 negatives (the positive at cosine 1, the negatives at -1): the
+    floor the docs state, 0.67, with the positive's probability 0.51."""
+    query = F.normalize(torch.randn(1, 16), dim=-1)
+    vectors = torch.cat([query, query, -query.expand(7, -1)]).unsqueeze(0)  # [1, 1 + 1 + 7, D]
+    loss, accuracy = eq5_loss(vectors)
+    assert loss.item() == pytest.approx(math.log(1 + 7 * math.exp(-2)), abs=1e-5) and round(loss.item(), 2) == 0.67
+    assert math.exp(-loss.item()) == pytest.approx(0.514, abs=1e-3) and accuracy.item() == 1.0

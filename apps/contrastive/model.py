@@ -9,8 +9,10 @@ the other queries' positives and negatives (in-batch negatives) and, when distri
 
     L = -1/N sum_i log( exp(cos(q_i, p_i) / t) / sum_{p in passages} exp(cos(q_i, p) / t) )
 
-With `loss: eq5`, eq. 5 as the paper writes it: raw cosine (no temperature) and only the query's own positive and
-hard negatives in the denominator.
+With `loss: eq5`, eq. 5 as the paper writes it: raw cosine (no temperature, so setting one is refused) and only the
+query's own positive and hard negatives in the denominator. Logits in [-1, 1] bound the loss: with 1 positive and K
+negatives it falls at best from ln(K + 1) to ln(1 + K e^-2) (K = 7: from 2.08 to 0.67), the positive's probability
+never above 1 / (1 + K e^-2) (0.51).
 
 `frozen: true` (the paper's frozen protocol) trains the pooler only: the backbone's states are computed without
 gradient and its parameters do not require one. `frozen: false` fine-tunes everything.
@@ -36,6 +38,7 @@ from lingua.pretrained import adopt_pretrained
 from lingua.transformer import Encoder, TransformerArgs, head_dim_of
 
 LOSSES = ("simclr", "eq5")
+DEFAULT_TEMPERATURE = 0.05
 
 
 @dataclass
@@ -43,12 +46,14 @@ class ContrastiveArgs:
     encoder: TransformerArgs = field(default_factory=TransformerArgs)  # with init_from: the pre-trained run's
     pooler: PoolerArgs = field(default_factory=PoolerArgs)
     loss: str = "simclr"  # simclr: over a temperature, every passage of the step | eq5: eq. 5 as written
-    temperature: float = 0.05  # simclr: cosine similarities are divided by it
+    temperature: float = DEFAULT_TEMPERATURE  # simclr: cosine similarities are divided by it (eq5 has none)
     frozen: bool = True  # true: only the pooler trains (the frozen protocol) | false: full fine-tuning
 
     def __post_init__(self):
         require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         require(self.loss in LOSSES, "loss", f"must be one of {', '.join(LOSSES)}, got '{self.loss}'")
+        require(self.loss != "eq5" or self.temperature == DEFAULT_TEMPERATURE, "temperature",
+                f"is not used by loss=eq5 (raw cosine logits, eq. 5 as written), got {self.temperature}: unset it")
 
 
 def info_nce(queries: torch.Tensor, passages: torch.Tensor, targets: torch.Tensor, temperature: float):
