@@ -33,7 +33,7 @@ import yaml
 
 from apps.eval.mteb import benchmark_of
 from lingua.app import App, load_app, registered_apps, short_name
-from lingua.args import UserError, _read_yaml, command_line, load_config, require
+from lingua.args import UserError, command_line, load_config, read_yaml, require
 from lingua.checkpoint import Checkpoint
 from lingua.files import atomic_write
 from lingua.metrics import read_metrics
@@ -105,7 +105,7 @@ def family(app: App, pattern: str = "") -> dict[str, dict[str, Any]]:
     paths = sorted(glob.glob(pattern or str(default)))
     if not paths:
         raise UserError(f"no config matches shapes={pattern or default}")
-    return {path: _read_yaml(path) for path in paths}
+    return {path: read_yaml(path) for path in paths}
 
 
 def shape_config(app: App, path: str, config: dict[str, Any]) -> dict[str, Any]:

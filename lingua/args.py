@@ -96,9 +96,9 @@ def load_config(cls: type[T], argv: list[str], base: dict[str, Any] | None = Non
     for arg in argv:
         key, value = parse_assignment(arg)
         if key == "config" and config_is_a_file:
-            tree = _merge(tree, _read_yaml(value))
+            tree = _merge(tree, read_yaml(value))
         else:
-            _set_dotted(tree, key, value)
+            set_dotted(tree, key, value)
     return from_dict(cls, tree)
 
 
@@ -204,7 +204,8 @@ def dump_config(cfg: Any, path: str | Path) -> None:
     atomic_write(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
-def _read_yaml(path: str) -> dict[str, Any]:
+def read_yaml(path: str) -> dict[str, Any]:
+    """A YAML config file's top-level mapping ({} when empty); what cannot be read is a one-line UserError."""
     try:
         tree = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
@@ -235,7 +236,8 @@ def _merge(base: dict, update: dict) -> dict:
     return out
 
 
-def _set_dotted(tree: dict, key: str, value: Any) -> None:
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    """tree[a][b][c] = value for key `a.b.c`, making (or replacing with) a dict at each level on the way."""
     *parents, leaf = key.split(".")
     for part in parents:
         node = tree.get(part)

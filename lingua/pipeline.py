@@ -48,9 +48,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lingua import stool
-from lingua.args import UserError, _read_yaml, load_config
+from lingua.args import UserError, load_config, read_yaml
 from lingua.files import atomic_write
+from lingua.launcher import (
+    LauncherArgs,
+    executor_for,
+    read_job_record,
+    refused_by_slurm,
+    snapshot_code,
+    split_arguments,
+    write_job_record,
+)
 
 FORWARDED_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # a scheduler's stop signals
 PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1)  # the time limit's warning, a preemption: the job goes back
@@ -101,7 +109,7 @@ class Pipeline:
 
 def load_pipeline(path: str, paths: dict[str, str] | None = None) -> Pipeline:
     """The pipeline of a file, its stages expanded per variant, checked, and ordered by their dependencies."""
-    spec = _read_yaml(path)
+    spec = read_yaml(path)
     unknown = sorted(set(spec) - {"dump_dir", "paths", "variants", "launcher", "stages"})
     if unknown:
         raise UserError(f"pipeline {path}: unknown key '{unknown[0]}'")
@@ -328,7 +336,7 @@ def state_of(dump_dir: Path, stage: Stage, states: dict[str, str]) -> str:
         return "failed"
     if any(states.get(need) in ("failed", "blocked") for need in stage.after):
         return "blocked"
-    job, _ = stool.read_job_record(folder)
+    job, _ = read_job_record(folder)
     if job is not None:
         if not _slurm_job_active(dump_dir, job["job_id"]):
             return "pending"  # its job ended without an outcome (killed, timed out): it runs again
@@ -391,14 +399,14 @@ def launch(pipeline: Pipeline, launcher_argv: list[str]) -> None:
     """Runs (local) or submits (slurm) the stages not done, in a snapshot of the code made for this launch (the
     stages queued or running before keep theirs); `launcher_argv`: stool's keys from the command line. A stage whose
     line changed since it was done, queued or started is refused before anything is written."""
-    args = load_config(stool.LauncherArgs, launcher_argv)
+    args = load_config(LauncherArgs, launcher_argv)
     if args.dry_run:
         print(format_plan(pipeline, launcher_argv))
         return
     _refuse_changed_stages(pipeline)
     pipeline.dump_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(pipeline.dump_dir / "pipeline.json", json.dumps(pipeline.record(), indent=1))
-    code = stool.snapshot_code(pipeline.dump_dir / "code")
+    code = snapshot_code(pipeline.dump_dir / "code")
     if args.cluster == "local":
         run_local(pipeline, code)
     else:
@@ -452,7 +460,7 @@ def run_local(pipeline: Pipeline, code: Path) -> None:
 
 def _where(dump_dir: Path, stage: Stage) -> str:
     folder = stage_dir(dump_dir, stage.name)
-    job, _ = stool.read_job_record(folder)
+    job, _ = read_job_record(folder)
     if job is not None:
         return f"SLURM job {job['job_id']}"
     started = _read_json(folder / "started.json") or {}
@@ -472,31 +480,30 @@ def submit_slurm(pipeline: Pipeline, launcher_argv: list[str], code: Path) -> No
         folder = stage_dir(pipeline.dump_dir, stage.name)
         if state == "done":
             continue
-        job, _ = stool.read_job_record(folder)
+        job, _ = read_job_record(folder)
         if state in ("submitted", "running") and job is not None:
             job_ids[stage.name] = job["job_id"]
             print(f"{stage.name}: job {job_ids[stage.name]} already {state}")
             continue
         waits = [job_ids[need] for need in stage.after if need in job_ids]
         dependency = {"dependency": "afterok:" + ":".join(waits)} if waits else {}
-        executor = stool.executor_for(stage_launcher(launcher_argv, stage), pipeline.dump_dir / "submitit", code,
-                                      **{"kill-on-invalid-dep": "yes", **dependency})
+        executor = executor_for(stage_launcher(launcher_argv, stage), pipeline.dump_dir / "submitit", code,
+                                **{"kill-on-invalid-dep": "yes", **dependency})
         executor.update_parameters(slurm_job_name=stage.name)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "failed.json").unlink(missing_ok=True)  # submitted again: queued, no longer failed
-        with stool.refused_by_slurm(f"the job of stage {stage.name}; the stages before it are submitted, and once "
-                                    "this is fixed the same command submits the others"):
+        with refused_by_slurm(f"the job of stage {stage.name}; the stages before it are submitted, and once "
+                              "this is fixed the same command submits the others"):
             job = executor.submit(stage_job, str(folder), stage, str(code))
         job_ids[stage.name] = str(job.job_id)
-        atomic_write(folder / "job.json", json.dumps({"job_id": str(job.job_id), "folder": str(job.paths.folder),
-                                                      "line": stage.line, "code": str(code)}))
+        write_job_record(folder, job, code, line=stage.line)
         print(f"{stage.name}: submitted job {job.job_id}" + (f", after {', '.join(waits)}" if waits else ""))
     print(f"python -m lingua.stool status {pipeline.dump_dir} follows them")
 
 
-def stage_launcher(launcher_argv: list[str], stage: Stage) -> stool.LauncherArgs:
+def stage_launcher(launcher_argv: list[str], stage: Stage) -> LauncherArgs:
     """A stage's launcher: its own keys over the file's, the command line's over both (as in stool's sweeps)."""
-    return load_config(stool.LauncherArgs, launcher_argv, base=stage.launcher)
+    return load_config(LauncherArgs, launcher_argv, base=stage.launcher)
 
 
 # ------------------------------------------------------------------------------------------------ views
@@ -561,8 +568,8 @@ def format_status(dump_dir: Path) -> str:
 
 
 def pipeline_command(argv: list[str]) -> None:
-    mine, extra = stool.split_arguments(argv)
-    args = load_config(stool.LauncherArgs, mine)
+    mine, extra = split_arguments(argv)
+    args = load_config(LauncherArgs, mine)
     if not args.pipeline:
         raise UserError("pipeline needs pipeline=FILE.yaml")
     bad = [arg for arg in extra if "=" not in arg]

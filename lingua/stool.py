@@ -32,15 +32,11 @@ done: lingua/pipeline.py describes its file.
 
 import contextlib
 import dataclasses
-import hashlib
-import io
 import itertools
 import json
-import os
 import pickle
 import re
 import shlex
-import shutil
 import signal
 import sys
 from dataclasses import dataclass
@@ -50,51 +46,21 @@ from typing import Any
 
 import yaml
 
-from lingua.args import (
-    UserError,
-    _read_yaml,
-    _set_dotted,
-    at_least,
-    command_line,
-    from_dict,
-    load_config,
-    parse_assignment,
-    require,
+from lingua import pipeline
+from lingua.args import UserError, command_line, from_dict, load_config, parse_assignment, read_yaml, set_dotted
+from lingua.files import atomic_write
+from lingua.launcher import (
+    LauncherArgs,
+    executor_for,
+    read_job_record,
+    refused_by_slurm,
+    snapshot_code,
+    split_arguments,
+    write_job_record,
 )
-from lingua.files import atomic_write, fsync_dir
 from lingua.metrics import read_metrics
 
-CODE_PACKAGES = ("lingua", "apps")  # copied whole (configs and data files too) into every run's dump_dir/code
 PATH_KEYS = ("dump_dir", "data.root_dir", "data.path", "data.tokenizer.path", "init_from", "eval.data")  # made absolute
-CLUSTERS = ("slurm", "local")
-JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # submitit's job ids: SLURM's (JOB_TASK in an array), a local job's pid
-
-
-@dataclass
-class LauncherArgs:
-    script: str = ""  # the training module, e.g. apps.crossbert.train (run; a sweep file may set it per run)
-    config: str = ""  # the run's base YAML config (run; a sweep file may set it per run)
-    sweep: str = ""  # a sweep YAML file (sweep)
-    pipeline: str = ""  # a pipeline YAML file (pipeline)
-    cluster: str = "slurm"  # slurm | local: submitit's local executor, on this machine
-    nodes: int = 1  # SLURM nodes per run
-    gpus_per_node: int = 8  # also the tasks per node (one process per GPU); 0: a CPU job of one task
-    cpus_per_task: int = 8  # CPU cores per task (data loading)
-    mem_gb_per_task: int = 64  # host memory per task
-    partition: str = ""  # SLURM partition (empty: the cluster's default)
-    qos: str = ""  # SLURM quality of service
-    account: str = ""  # SLURM account
-    constraint: str = ""  # SLURM node constraint, e.g. a GPU model
-    time: int = 720  # minutes before SLURM stops the job (a stopped run is requeued and resumes)
-    signal_delay_s: int = 180  # the stop signal (distributed.stop_signal, SIGUSR2) comes this long before the limit
-    array_parallelism: int = 256  # sweep runs at once on SLURM
-    parallel: int = 1  # cluster=local: runs at once (stool waits for each wave)
-    dry_run: bool = False  # print what would run, submit nothing (also --dry-run)
-
-    def __post_init__(self):
-        require(self.cluster in CLUSTERS, "cluster", f"must be one of {', '.join(CLUSTERS)}, got '{self.cluster}'")
-        at_least(self, 1, "nodes", "cpus_per_task", "mem_gb_per_task", "time", "array_parallelism", "parallel")
-        at_least(self, 0, "gpus_per_node", "signal_delay_s")
 
 
 @dataclass
@@ -107,21 +73,13 @@ class PlannedRun:
     base_config: str = ""  # the base YAML, if any
 
 
-def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(stool's key=value arguments, the rest: overrides of the training config)."""
-    own = {f.name for f in dataclasses.fields(LauncherArgs)} | {"--help", "-h"}
-    mine = ["dry_run=true" if arg == "--dry-run" else arg for arg in argv
-            if arg == "--dry-run" or arg.partition("=")[0] in own]
-    return mine, [arg for arg in argv if arg != "--dry-run" and arg.partition("=")[0] not in own]
-
-
 def resolve_config(script: str, config_path: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The training config of `script` from its YAML and dotted overrides, checked by the app's own dataclass (a
     mistake fails here, before anything is submitted), with its paths made absolute (the job runs elsewhere)."""
     app = _load_app(script)
-    tree = _read_yaml(config_path) if config_path else {}
+    tree = read_yaml(config_path) if config_path else {}
     for key, value in overrides.items():
-        _set_dotted(tree, key, value)
+        set_dotted(tree, key, value)
     tree = dataclasses.asdict(from_dict(app.args_cls, tree))
     for key in PATH_KEYS:
         *parents, leaf = key.split(".")
@@ -150,7 +108,7 @@ def _load_app(script: str):
 
 def plan_sweep(sweep_file: str) -> tuple[Path, list[PlannedRun], dict[str, Any]]:
     """(the sweep's folder, its runs, its launcher section) from a sweep YAML file."""
-    spec = _read_yaml(sweep_file)
+    spec = read_yaml(sweep_file)
     unknown = sorted(set(spec) - {"script", "config", "dump_dir", "overrides", "grid", "runs", "launcher"})
     if unknown:
         raise UserError(f"sweep file {sweep_file}: unknown key '{unknown[0]}'")
@@ -208,40 +166,6 @@ def _name_part(label: str, value: Any) -> str:
 # ------------------------------------------------------------------------------------------------ submission
 
 
-def snapshot_code(parent: Path, source: Path | None = None) -> Path:
-    """An immutable copy of every file of the code packages (not only *.py: configs and data files the code reads
-    too) in parent/<hash of what it holds>, returned. It appears whole (copied aside, flushed, then renamed) and is
-    never written again: a queued, running or requeued job keeps the code it was submitted with, whatever is
-    submitted after it; submitting the same code again reuses it."""
-    source = source or Path(__file__).resolve().parents[1]
-    files = sorted(path.relative_to(source) for package in CODE_PACKAGES for path in (source / package).rglob("*")
-                   if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc")
-    contents = {path: (source / path).read_bytes() for path in files}  # read once: what is hashed is what is copied
-    digest = hashlib.sha256()
-    for path, data in contents.items():
-        digest.update(f"{path.as_posix()}\0{len(data)}\0".encode() + data)
-    destination = parent / digest.hexdigest()[:16]
-    if destination.is_dir():
-        return destination
-    staging = parent / f".{destination.name}.{os.getpid()}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    for path, data in contents.items():
-        target = staging / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "wb") as f:
-            f.write(data)
-            os.fsync(f.fileno())
-        shutil.copymode(source / path, target)
-    try:
-        staging.rename(destination)
-    except OSError:  # another submission made the same snapshot a moment ago
-        shutil.rmtree(staging)
-        if not destination.is_dir():
-            raise
-    fsync_dir(parent)
-    return destination
-
-
 def prepare(run: PlannedRun) -> None:
     """The run's dump_dir and the config stool resolved (submitted.yaml); refuses a config other than
     the one submitted there before (nothing is lost). A run may derive its config.yaml from it (fine-tuning: its
@@ -260,26 +184,6 @@ def train_job(script: str, config_file: str) -> None:
 
     app = import_module(script).APP
     train(app, load_config(app.args_cls, [f"config={config_file}"]))
-
-
-def executor_for(args: LauncherArgs, folder: Path, code: Path, **sbatch_options: str):
-    """submitit's executor for `args`; its SLURM jobs start in `code` (SLURM is told: a job, requeued ones too,
-    never inherits the directory it was submitted from) with `sbatch_options` added."""
-    import submitit
-
-    executor = submitit.AutoExecutor(folder=folder, cluster=args.cluster)
-    tasks = max(args.gpus_per_node, 1) if args.cluster == "slurm" else 1
-    params = {"timeout_min": args.time, "tasks_per_node": tasks, "nodes": args.nodes if args.cluster == "slurm" else 1,
-              "cpus_per_task": args.cpus_per_task}
-    if args.cluster == "slurm":
-        params |= {"gpus_per_node": args.gpus_per_node} if args.gpus_per_node else {}
-        params |= {"mem_gb": args.mem_gb_per_task * tasks,
-                   "slurm_signal_delay_s": args.signal_delay_s, "slurm_array_parallelism": args.array_parallelism}
-        params |= {f"slurm_{key}": getattr(args, key) for key in ("partition", "qos", "account", "constraint")
-                   if getattr(args, key)}
-        params |= {"slurm_additional_parameters": {"chdir": str(code), **sbatch_options}}
-    executor.update_parameters(**params)
-    return executor
 
 
 def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
@@ -311,20 +215,6 @@ def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
     if failed:  # the others ran: a script that runs stool stops here rather than go on without these results
         raise UserError(f"{len(failed)} of {len(runs)} local run(s) failed ({', '.join(failed)}): "
                         f"python -m lingua.stool status {folder} tells why")
-
-
-@contextlib.contextmanager
-def refused_by_slurm(consequence: str):
-    """sbatch's refusal (a partition, memory or GPUs the cluster does not have) as one line: its reason and
-    `consequence`, in place of submitit's traceback and its copy of sbatch's message."""
-    from submitit.core.utils import FailedJobError
-
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    except FailedJobError as e:
-        reason = "; ".join(line.removeprefix("sbatch: error: ") for line in str(e).splitlines() if line.strip())
-        raise UserError(f"SLURM refused {consequence} ({reason})") from None
 
 
 class _Terminated(Exception):
@@ -361,9 +251,8 @@ def _submit_one(executor, run: PlannedRun, code: Path):
 
 
 def _record(run: PlannedRun, job, code: Path) -> None:
-    """Where status finds the job: its id and submitit's folder; and the code it runs."""
-    atomic_write(run.dump_dir / "job.json", json.dumps({"job_id": str(job.job_id), "folder": str(job.paths.folder),
-                                                        "script": run.script, "code": str(code)}))
+    """Where status finds the job (job.json), and the code it runs."""
+    write_job_record(run.dump_dir, job, code, script=run.script)
     print(f"submitted {run.name}: job {job.job_id}, dump_dir {run.dump_dir}")
 
 
@@ -412,21 +301,6 @@ def _newer_log(dump_dir: Path) -> bool:
     job, _ = read_job_record(dump_dir)
     results, log = _result_files(dump_dir, job["job_id"]) if job else [], dump_dir / "train.log"
     return bool(results) and log.exists() and log.stat().st_mtime > max(r.stat().st_mtime for r in results)
-
-
-def read_job_record(folder: Path) -> tuple[dict[str, Any] | None, str]:
-    """(folder/job.json, the record stool wrote at submission, or None; why it is None when the file is there but
-    unusable: not a JSON object, or no job id of submitit's form). Only its job id is trusted, never a path."""
-    path = folder / "job.json"
-    if not path.exists():
-        return None, ""
-    try:
-        record = json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        record = None
-    if not isinstance(record, dict) or not JOB_ID.fullmatch(str(record.get("job_id", ""))):
-        return None, f"unreadable job record ({path})"
-    return {**record, "job_id": str(record["job_id"])}, ""
 
 
 def submitit_folder(dump_dir: Path) -> Path:
@@ -573,15 +447,11 @@ def main(argv: list[str] | None = None) -> None:
                 raise UserError("usage: python -m lingua.stool status SWEEP_PIPELINE_OR_DUMP_DIR")
             folder = Path(rest[0])
             if (folder / "pipeline.json").exists():
-                from lingua.pipeline import format_status as format_pipeline_status  # it builds on this module
-
-                print(format_pipeline_status(folder))
+                print(pipeline.format_status(folder))
             else:
                 print(format_status(status_rows(folder)))
         elif command == "pipeline":
-            from lingua.pipeline import pipeline_command
-
-            pipeline_command(rest)
+            pipeline.pipeline_command(rest)
         elif command in COMMANDS:
             COMMANDS[command](rest)
         else:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lingua import stool as stool_module
+from lingua.launcher import CODE_PACKAGES
 from tests.conftest import REPO, read_metrics, tiny_argv
 
 SMALL_JOB = ["cpus_per_task=1", "mem_gb_per_task=1", "time=10"]
@@ -60,7 +60,7 @@ def test_a_run_with_its_config_runs_the_code_it_was_submitted_with(slurm_cluster
     """`stool run config=...` as documented; the repository edited while the job is queued: the job runs the
     snapshot (its working directory, as SLURM records it), not the edit."""
     repo = tmp_path / "repo"
-    for package in stool_module.CODE_PACKAGES:
+    for package in CODE_PACKAGES:
         shutil.copytree(REPO / package, repo / package, ignore=shutil.ignore_patterns("__pycache__"))
     dump = tmp_path / "run"
     slurm_cluster.run("scontrol", "update", "PartitionName=main", "State=DOWN")  # queued, not started

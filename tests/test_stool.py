@@ -18,6 +18,7 @@ import yaml
 from apps.bert.train import BertTrainArgs
 from lingua import stool
 from lingua.args import UserError, load_config
+from lingua.launcher import CODE_PACKAGES, LauncherArgs, executor_for, snapshot_code
 from tests.conftest import REPO, end, start, tagged_processes, tiny_argv
 
 
@@ -94,7 +95,7 @@ def test_a_dry_run_prints_commands_a_shell_can_run(tmp_path, corpus, capsys):
 
 
 def test_snapshot_holds_everything_the_run_imports(tmp_path):
-    code = stool.snapshot_code(tmp_path / "code")
+    code = snapshot_code(tmp_path / "code")
     probe = ("import sys, apps.crossbert.train, apps.eval.glue, lingua.stool; "
              "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))")
     files = subprocess.run([sys.executable, "-c", probe], cwd=code, capture_output=True, text=True,
@@ -108,13 +109,13 @@ def test_a_snapshot_is_never_rewritten_and_the_same_code_shares_one(tmp_path):
     """A queued or requeued job keeps the code it was submitted with: a later submission of changed code (an edited
     module, a deleted one) gets a folder of its own."""
     source = tmp_path / "repo"
-    for package in stool.CODE_PACKAGES:
+    for package in CODE_PACKAGES:
         shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
-    first = stool.snapshot_code(tmp_path / "code", source)
-    assert stool.snapshot_code(tmp_path / "code", source) == first
+    first = snapshot_code(tmp_path / "code", source)
+    assert snapshot_code(tmp_path / "code", source) == first
     (source / "lingua" / "flops.py").write_text("raise SystemExit('edited')\n")
     (source / "lingua" / "divergence.py").unlink()
-    second = stool.snapshot_code(tmp_path / "code", source)
+    second = snapshot_code(tmp_path / "code", source)
     assert second != first and sorted(p.name for p in (tmp_path / "code").iterdir()) == sorted([first.name,
                                                                                                second.name])
     assert (first / "lingua" / "flops.py").read_bytes() == (REPO / "lingua" / "flops.py").read_bytes()
@@ -208,9 +209,9 @@ def test_slurm_jobs_get_one_task_per_gpu_and_the_stop_signal_before_the_limit(tm
     from submitit.slurm.slurm import SlurmExecutor
 
     monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 1))  # no srun on this machine
-    args = stool.LauncherArgs(nodes=2, gpus_per_node=4, partition="learn", time=90, signal_delay_s=120,
+    args = LauncherArgs(nodes=2, gpus_per_node=4, partition="learn", time=90, signal_delay_s=120,
                               account="team")
-    executor = stool.executor_for(args, tmp_path, tmp_path / "code")
+    executor = executor_for(args, tmp_path, tmp_path / "code")
     script = executor._executor._make_submission_file_text("python -m x", "ID")
     for line in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--partition=learn", "--time=90",
                  "--signal=USR2@120", "--account=team", f"--chdir={tmp_path / 'code'}"):
@@ -241,7 +242,7 @@ def test_no_apps_config_key_is_taken_by_stool():
     never be set."""
     from lingua.app import registered_apps
 
-    own = {field.name for field in dataclasses.fields(stool.LauncherArgs)}
+    own = {field.name for field in dataclasses.fields(LauncherArgs)}
     for app in registered_apps():
         assert not own & {field.name for field in dataclasses.fields(app.args_cls)}, app.name
 

@@ -23,6 +23,7 @@ from lingua import stool
 from lingua.args import UserError, command_line, load_config, parse_assignment
 from lingua.eval.glue import TASKS
 from lingua.files import atomic_write
+from lingua.launcher import split_arguments
 
 STARTED_FROM_MNLI = ("rte", "mrpc", "stsb")  # RoBERTa's and ModernBERT's protocol
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     with command_line(__doc__):
         if "--help" in argv or "-h" in argv:
             load_config(SweepArgs, ["--help"])
-        launcher, mine = stool.split_arguments(argv)
+        launcher, mine = split_arguments(argv)
         args = load_config(SweepArgs, mine)
         path = Path(args.dump_dir) / "sweep.yaml"
         atomic_write(path, yaml.safe_dump(sweep_spec(args), sort_keys=False))
