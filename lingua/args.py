@@ -12,9 +12,12 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import io
 import math
 import re
 import sys
+import textwrap
+import tokenize
 import types
 import typing
 from pathlib import Path
@@ -170,18 +173,48 @@ def _type_name(tp: Any) -> str:
 
 @functools.cache
 def _field_comments(cls: type) -> dict[str, str]:
-    """{field: the comment on its line} from the source of cls and its dataclass bases."""
+    """{field: its comment} from the source of cls and its dataclass bases."""
     comments = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue
         try:
-            source = inspect.getsource(klass)
+            source = textwrap.dedent(inspect.getsource(klass))
         except (OSError, TypeError):
             continue
-        for match in re.finditer(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, re.MULTILINE):
-            comments[match.group(1)] = match.group(2).strip()
+        comments |= _comments_by_field(source)
     return comments
+
+
+def _comments_by_field(class_source: str) -> dict[str, str]:
+    """{field: its whole comment} from a class's source: the comment on the field's line and the comment lines right
+    below it, which continue it. Read with tokenize, so that a `#` inside a string is no comment."""
+    comments: dict[str, list[str]] = {}
+    depth, code, line_comments, continued = 0, [], [], None  # continued: the field whose comment goes on below
+    for token in tokenize.generate_tokens(io.StringIO(class_source).readline):
+        kind, text = token.type, token.string
+        if kind == tokenize.INDENT:
+            depth += 1
+        elif kind == tokenize.DEDENT:
+            depth -= 1
+        elif kind == tokenize.COMMENT:
+            part = text.lstrip("#").strip()
+            if code:
+                line_comments.append(part)
+            elif continued is not None:
+                comments[continued].append(part)
+        elif kind == tokenize.NEWLINE:  # the end of a statement, perhaps over several lines
+            is_field = depth == 1 and len(code) > 1 and code[0].type == tokenize.NAME and code[1].string == ":"
+            continued = code[0].string if is_field and line_comments else None
+            if continued is not None:
+                comments[continued] = line_comments
+            code, line_comments = [], []
+        elif kind == tokenize.NL:
+            if not code and token.line.strip() == "":
+                continued = None  # a blank line ends a comment
+        elif kind != tokenize.ENDMARKER:
+            code.append(token)
+    return {name: " ".join(parts) for name, parts in comments.items()}
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

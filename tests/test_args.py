@@ -106,6 +106,31 @@ def test_help_lists_every_key_with_its_type_default_and_comment():
         load_config(CrossBertTrainArgs, ["optim.lr=1", "--help"])
 
 
+@dataclass
+class Commented:
+    sep: str = "#"  # a separator, # included
+    # and the line below goes on
+    plain: str = "a # b"
+
+    unrelated: int = 0  # one line
+
+    # a heading, after a blank line: no field's
+
+
+def test_help_prints_whole_comments_and_no_hash_inside_a_string():
+    from apps.scaling import PlanArgs
+    from apps.tables import TablesArgs
+    from lingua.validation import ValidationArgs
+
+    assert "6 (BERT's masking ratio) or 7 (the pooler's warm start)" in config_help(TablesArgs)
+    assert "highest so far are exported to DUMP_DIR/best.pt, their validation record to best.json" in \
+        config_help(ValidationArgs)
+    assert "scaling_*.yaml, or those of the app its laws name)\n" in config_help(PlanArgs)
+    lines = config_help(Commented).splitlines()[1:]
+    assert lines == ["  sep: str = '#'  # a separator, # included and the line below goes on", "  plain: str = 'a # b'",
+                     "  unrelated: int = 0  # one line"]
+
+
 @pytest.mark.parametrize("version, supported", [("2.10.1+cu128", False), ("2.11.0+cu130", True), ("2.13.0", True),
                                                 ("3.0.0a0", True)])
 def test_a_torch_too_old_stops_every_command_in_one_line(monkeypatch, capsys, version, supported):
