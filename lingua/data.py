@@ -463,13 +463,16 @@ def load_validation(args: DataArgs, tokenizer, n_sequences: int, rank: int = 0, 
 
     Sources (sorted by name) get n_sequences * weight rows (largest remainder); a source's rows are packed from its
     own file from the start, and rank r takes rows [r*k, (r+1)*k) of them, so ranks are disjoint. Too little text
-    raises UserError rather than returning fewer rows: a silently smaller set would make losses incomparable.
+    raises UserError rather than returning fewer rows: a silently smaller set would make losses incomparable. The
+    rows come source after source; `source_rows` on the tensor says how many each has ({source: rows}, in row order),
+    from which lingua.validation reports each source's loss.
     """
     _check_args(args)
-    rows = []
+    rows, source_rows = [], {}
     for name, k in _split_by_weight(n_sequences, args.sources).items():
         if k == 0:
             continue
+        source_rows[name] = k
         path = os.path.join(args.root_dir, name, "valid.jsonl")
         if not os.path.isfile(path):
             raise UserError(f"validation file not found: '{path}'")
@@ -482,7 +485,9 @@ def load_validation(args: DataArgs, tokenizer, n_sequences: int, rank: int = 0, 
             logger.warning(skipped.warning(path, "malformed lines"))
         mine = tokens[rank * k * args.seq_len : (rank + 1) * k * args.seq_len]
         rows.append(torch.tensor(mine, dtype=torch.long).view(k, args.seq_len))
-    return torch.cat(rows)
+    validation = torch.cat(rows)
+    validation.source_rows = source_rows
+    return validation
 
 
 def _split_by_weight(n: int, weights: dict[str, float]) -> dict[str, int]:

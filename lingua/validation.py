@@ -1,6 +1,7 @@
 """What the training loop measures besides the training loss: the loss on fixed held-out sequences (or an app's
 own validation, e.g. a fine-tuned model's dev-set scores), and the frozen GLUE probes, each at its interval."""
 
+import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -35,21 +36,47 @@ class ValidationArgs:
 @torch.no_grad()
 def validate(model, tokens: torch.Tensor, args: ValidationArgs, device: torch.device, launch: Launch) -> dict:
     """Loss and accuracy on fixed sequences with a fixed masking seed: comparable across steps, runs and world sizes.
-    Every rank draws the masks of each whole chunk and evaluates its own rows of it; the sums are reduced."""
+    Every rank draws the masks of each whole chunk and evaluates its own rows of it; the sums are reduced. Rows from
+    several sources (`tokens.source_rows`, lingua.data.load_validation's {source: rows}) also give each source's
+    loss, val/loss/SOURCE: a rank evaluates its rows of a chunk source by source, masked as the whole chunk."""
     model.eval()
     generator = torch.Generator(device).manual_seed(args.seed)
+    sources = getattr(tokens, "source_rows", None) or {}
+    ends = list(itertools.accumulate(sources.values())) if len(sources) > 1 else [len(tokens)]
     totals: dict[str, torch.Tensor] = {}
+    by_source = torch.zeros(len(ends), device=device)
+    first = 0  # the chunk's first row
     for chunk in tokens.split(args.batch_size):
         batch = model.make_batch(chunk.to(device), generator)
-        mine = {key: value.tensor_split(launch.world_size)[launch.rank] for key, value in batch.items()}
-        rows = len(next(iter(mine.values())))  # rows predict equally many tokens: row-weighted means are exact
-        with autocast(device):
-            loss, stats = model(**mine)
-        for key, value in {"loss": loss, **stats}.items():
-            totals[key] = totals.get(key, 0) + value.detach().float() * rows
+        mine = torch.arange(first, first + len(chunk)).tensor_split(launch.world_size)[launch.rank]
+        for source, (start, end) in _parts(int(mine[0]), int(mine[-1]) + 1, ends).items():
+            part = {key: value[start - first:end - first] for key, value in batch.items()}
+            with autocast(device):
+                loss, stats = model(**part)
+            rows = end - start  # rows predict equally many tokens: row-weighted means are exact
+            for key, value in {"loss": loss, **stats}.items():
+                totals[key] = totals.get(key, 0) + value.detach().float() * rows
+            by_source[source] += loss.detach().float() * rows
+        first += len(chunk)
     model.train()
-    means = (all_reduce(torch.stack(list(totals.values()))) / len(tokens)).tolist()
-    return {f"val/{key}": value for key, value in zip(totals, means)}
+    rows = torch.tensor([len(tokens)] * len(totals) + [end - begin for begin, end in zip([0, *ends], ends)],
+                        device=device)
+    means = (all_reduce(torch.cat([torch.stack(list(totals.values())), by_source])) / rows).tolist()
+    record = {f"val/{key}": value for key, value in zip(totals, means)}
+    if len(sources) > 1:
+        record |= {f"val/loss/{name}": value for name, value in zip(sources, means[len(totals):])}
+    return record
+
+
+def _parts(start: int, end: int, ends: list[int]) -> dict[int, tuple[int, int]]:
+    """{source index: (first row, end row)} of rows [start, end) where sources end at `ends` (cumulative)."""
+    parts, begin = {}, 0
+    for index, source_end in enumerate(ends):
+        low, high = max(start, begin), min(end, source_end)
+        if low < high:
+            parts[index] = (low, high)
+        begin = source_end
+    return parts
 
 
 def check_validation_split(args: ValidationArgs, world_size: int) -> None:

@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kill_after_first_checkpoint_then_restart, read_metrics, tiny_argv
+from conftest import kill_after_first_checkpoint_then_restart, read_metrics, tiny_argv, write_corpus
 
 from apps.bert.train import APP
 from lingua.args import load_config
 from lingua.checkpoint import load_model
+from lingua.distributed import Launch
 from lingua.parallel import parallelize
 from lingua.train import train
+from lingua.validation import ValidationArgs, validate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -166,3 +168,36 @@ def test_resume_survives_a_torn_metrics_line(corpus, tmp_path):
         f.write('{"step": 21, "loss": 1.')  # a kill in the middle of a write
     run(tiny_argv(corpus, dump, steps=20))
     assert sorted(read_metrics(dump)) == list(range(1, 21))
+
+
+def test_two_sources_each_log_their_validation_loss(corpus, tmp_path):
+    """val/loss stays the mix of the sources' rows (4 and 4 here, by weight); val/loss/SOURCE is each one's own."""
+    shutil.copytree(write_corpus(tmp_path / "other", seed=1) / "tiny", corpus / "wiki")
+    dump = tmp_path / "run"
+    run(tiny_argv(corpus, dump, steps=10) + ["data.sources.wiki=1.0", "validation.batch_size=3"])  # a chunk spans both
+    (val,) = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines() if "val/loss" in line]
+    assert {"val/loss", "val/accuracy", "val/loss/tiny", "val/loss/wiki"} <= set(val)
+    assert val["val/loss"] == pytest.approx((val["val/loss/tiny"] + val["val/loss/wiki"]) / 2, rel=1e-5)
+    assert val["val/loss/tiny"] != val["val/loss/wiki"]
+
+
+class RowMean(torch.nn.Module):
+    """A model whose loss is the mean of its rows' values (each row holds one value)."""
+
+    def make_batch(self, rows, generator):
+        return {"rows": rows.float()}
+
+    def forward(self, rows):
+        return rows.mean(), {"accuracy": rows.mean()}
+
+
+def test_each_sources_validation_loss_is_the_same_over_any_number_of_ranks():
+    tokens = torch.arange(8).repeat_interleave(4).view(8, 4)  # row i holds i
+    tokens.source_rows = {"a": 5, "b": 3}
+    args = ValidationArgs(batch_size=4)
+    whole = validate(RowMean(), tokens, args, torch.device("cpu"), Launch())
+    assert whole == pytest.approx({"val/loss": 3.5, "val/accuracy": 3.5, "val/loss/a": 2.0, "val/loss/b": 6.0})
+    ranks = [validate(RowMean(), tokens, args, torch.device("cpu"), Launch(rank=r, world_size=2)) for r in (0, 1)]
+    assert {key: ranks[0][key] + ranks[1][key] for key in whole} == pytest.approx(whole)  # what all_reduce sums
+    del tokens.source_rows  # one source: the mix alone, as before
+    assert validate(RowMean(), tokens, args, torch.device("cpu"), Launch()) == {"val/loss": 3.5, "val/accuracy": 3.5}
