@@ -112,11 +112,6 @@ class Variant:
     def label(self) -> str:
         return str(self.keys.get("row", self.name))
 
-    @property
-    def mteb(self) -> dict[tuple[str, str], dict[str, float]]:
-        """{(benchmark, protocol): {category: score, "Avg.", "Overall"}}."""
-        return {key: results["summary"] for key, results in self.mteb_runs.items()}
-
 
 def read_pipeline(folder: Path) -> list[Variant]:
     record = folder / "pipeline.json"
