@@ -264,16 +264,21 @@ def test_a_local_stage_is_told_apart_by_host_boot_and_start_time(tmp_path):
     pipeline = load_pipeline(str(one_stage(tmp_path, "timeit -n 1 pass")))
     folder = tmp_path / "out" / "stages" / "only"
     folder.mkdir(parents=True)
-    here = {**this_process(os.getpgrp()), "line": "timeit -n 1 pass"}
-    (folder / "started.json").write_text(json.dumps({**here, "host": "elsewhere"}))
-    with pytest.raises(UserError, match=r"stage only is running elsewhere \(on host elsewhere, process group "
-                                        rf"{os.getpgrp()}; if that host is gone, remove {folder / 'started.json'}\)"):
-        launch(pipeline, ["cluster=local"])
-    for stale in ({"boot": "another boot"}, {"pid_start": "1", "group_start": "1"}):
-        (folder / "started.json").write_text(json.dumps({**here, **stale}))
-        assert state_of(pipeline.dump_dir, pipeline.stages[0], {}) == "pending"
-    (folder / "started.json").write_text(json.dumps(here))  # this very process
-    assert state_of(pipeline.dump_dir, pipeline.stages[0], {}) == "running"
+    group = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:  # a live runner (this process) and a live command's group (its leader: `group`)
+        here = {**this_process(group.pid), "line": "timeit -n 1 pass"}
+        (folder / "started.json").write_text(json.dumps({**here, "host": "elsewhere"}))
+        with pytest.raises(UserError, match=r"stage only is running elsewhere \(on host elsewhere, process group "
+                                            rf"{group.pid}; if that host is gone, remove {folder / 'started.json'}\)"):
+            launch(pipeline, ["cluster=local"])
+        for stale in ({"boot": "another boot"}, {"pid_start": "1", "group_start": "1"}):
+            (folder / "started.json").write_text(json.dumps({**here, **stale}))
+            assert state_of(pipeline.dump_dir, pipeline.stages[0], {}) == "pending"
+        (folder / "started.json").write_text(json.dumps(here))
+        assert state_of(pipeline.dump_dir, pipeline.stages[0], {}) == "running"
+    finally:
+        group.kill()
+        group.wait()
 
 
 @pytest.mark.parametrize("state,active", [("PENDING", True), ("UNKNOWN", True), ("PREEMPTED", True),
