@@ -2,7 +2,7 @@
 
     python -m apps.scaling plan app=crossbert compute=1e19 gpus=16 [micro_batch=128] [out=CONFIG.yaml]
     python -m apps.scaling fit runs=SWEEP_DIR[,SWEEP_DIR...] [keep=3]
-    python -m apps.scaling plot kind=curves|loss|probes runs=SWEEP_DIR[,...] out=PLOT.png
+    python -m apps.scaling plot kind=curves|loss|probes|training runs=SWEEP_DIR[,...] out=PLOT.png [probe=linear|knn]
     python -m apps.scaling table runs=SWEEP_DIR[,...] [probe=linear|knn]
 
 plan: the shape from the app's family (the configs `shapes`, by default apps/<app>/configs/scaling_*.yaml, the
@@ -12,7 +12,9 @@ rates and batch sizes, the best `keep` runs per size by final validation loss, a
 fitted by log-log least squares (Appendix H). plot: validation-loss curves against compute (curves), final
 validation loss against compute with its fitted law (loss), both a panel per app, and the frozen scores against
 compute per app (probes, the paper's Figure 1): a GLUE panel (the probe averages of each run's glue_eval results)
-and a panel per MTEB benchmark (the Avg. of each run's mteb_eval results). runs= takes patterns too
+and a panel per MTEB benchmark (the Avg. of each run's mteb_eval results); the frozen probe scores over training
+(training, the paper's Figure 6): the `glue/<task>/<probe>` records the loop logs every eval.every steps, against the
+compute spent so far, a line per run, a panel for the GLUE average and one per task. runs= takes patterns too
 (DIR/*/pretrain). table: a Markdown table
 of the runs by app and compute, with their final validation loss and frozen GLUE scores per task.
 """
@@ -77,10 +79,10 @@ def require_probe(probe: str) -> None:
 
 @dataclass
 class PlotArgs:
-    kind: str = "curves"  # curves | loss | probes
+    kind: str = "curves"  # curves | loss | probes | training
     runs: str = ""  # comma-separated sweep folders (or dump_dirs)
     out: str = "plot.png"
-    probe: str = "linear"  # probes: linear | knn
+    probe: str = "linear"  # probes and training: linear | knn
 
     def __post_init__(self):
         require_probe(self.probe)
@@ -200,9 +202,10 @@ def run_dirs(spec: str) -> list[Path]:
 def read_run(dump_dir: Path) -> dict[str, Any]:
     """What the fits and plots need from one run's dump_dir."""
     config = yaml.safe_load((dump_dir / "config.yaml").read_text())
-    train, val = [], []
+    train, val, probed = [], [], []
     for record in read_metrics(dump_dir / "metrics.jsonl"):
-        (val if "val/loss" in record else train if "loss" in record else []).append(record)
+        is_probe = any(key.startswith("glue/") for key in record)
+        (val if "val/loss" in record else train if "loss" in record else probed if is_probe else []).append(record)
     if not train:
         raise UserError(f"{dump_dir} has no training metrics yet")
     last = train[-1]
@@ -217,7 +220,19 @@ def read_run(dump_dir: Path) -> dict[str, Any]:
         "final_val_loss": val[-1]["val/loss"] if val else None,
         "probes": _probe_results(dump_dir),
         "mteb": _mteb_results(dump_dir),
+        "probe_curve": [(r["step"] * flops_per_step, r) for r in probed],
     }
+
+
+def probe_curves(run: dict[str, Any], probe: str) -> dict[str, list[tuple[float, float]]]:
+    """{task or "avg": [(compute, score)]} of the last layer's `probe` scores logged during the run's training."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for compute, record in run["probe_curve"]:
+        for key, score in record.items():
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "glue" and parts[2] == probe:
+                curves.setdefault(parts[1], []).append((compute, score))
+    return curves
 
 
 def _app_of(dump_dir: Path) -> str:
@@ -270,14 +285,16 @@ def fit_command(argv: list[str]) -> None:
 
 def plot_command(argv: list[str]) -> None:
     args = load_config(PlotArgs, argv)
-    if args.kind not in ("curves", "loss", "probes"):
-        raise UserError(f"config key 'kind' must be curves, loss or probes, got '{args.kind}'")
+    if args.kind not in ("curves", "loss", "probes", "training"):
+        raise UserError(f"config key 'kind' must be curves, loss, probes or training, got '{args.kind}'")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = [read_run(d) for d in run_dirs(args.runs)]
+    if args.kind == "training":
+        return _plot_training(plt, runs, args)
     # Losses get a panel per app: the apps' losses are of different tasks (and scales), not comparable; probes a
     # panel per benchmark, GLUE then each MTEB benchmark evaluated, the apps side by side.
     panels = (sorted({run["app"] for run in runs}) if args.kind in ("curves", "loss")
@@ -302,6 +319,30 @@ def plot_command(argv: list[str]) -> None:
         ax.set_title(panel)
         ax.set_xscale("log")
         ax.set_xlabel("compute C (FLOPs, paper counting)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    plt.close(fig)
+    print(f"plot: {args.out}")
+
+
+def _plot_training(plt, runs: list[dict[str, Any]], args: PlotArgs) -> None:
+    """Figure 6: each run's probe scores over its training, a panel for the GLUE average, then one per task."""
+    curves = {run["dir"]: probe_curves(run, args.probe) for run in runs}
+    if not any(curves.values()):
+        raise UserError(f"no GLUE probe scores logged during training in {args.runs} (set eval.every > 0)")
+    tasks = sorted({task for by_task in curves.values() for task in by_task} - {"avg"})
+    panels = ["avg", *tasks] if any("avg" in by_task for by_task in curves.values()) else tasks
+    fig, axes = plt.subplots(1, len(panels), figsize=(1 + 4 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for run in runs:
+            if panel in curves[run["dir"]]:
+                ax.plot(*zip(*curves[run["dir"]][panel]), marker=".", label="/".join(run["dir"].parts[-2:]))
+        ax.set_title("GLUE average" if panel == "avg" else panel)
+        ax.set_xscale("log")
+        ax.set_xlabel("compute so far (FLOPs, paper counting)")
+        ax.set_ylabel(f"frozen {args.probe} probe (%)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

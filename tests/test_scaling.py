@@ -175,3 +175,28 @@ def test_the_probes_plot_has_a_panel_per_benchmark_and_a_pattern_names_the_runs(
     scaling.main(["plot", "kind=probes", f"runs={tmp_path}/pipeline/*/pretrain", f"out={out}"])
     width = int.from_bytes(out.read_bytes()[16:20], "big")  # the PNG header's width: 120 dpi x (1 + 5 per panel)
     assert width == 120 * (1 + 5 * 2)
+
+
+def test_the_training_plot_draws_each_runs_probe_scores_against_compute(tmp_path, capsys):
+    """Figure 6: the `glue/<task>/<probe>` records logged during training, at the compute spent by their step; other
+    layers' scores (`/layer<i>`) and the other probe stay out."""
+    for app, offset in (("bert", 0.0), ("crossbert", 2.0)):
+        run = tmp_path / "pipeline" / app / "pretrain"
+        fake_run(run, app, 64, 1e-3, 512, 1e15, [5.0, 4.0])  # steps 10 and 20, 5e14 FLOPs each 10 steps
+        with (run / "metrics.jsonl").open("a") as f:
+            for step, score in ((10, 50.0), (20, 55.0)):
+                f.write("\n" + json.dumps({"step": step, "glue/sst2/linear": score + offset + 1,
+                                           "glue/avg/linear": score + offset, "glue/avg/knn": 1.0,
+                                           "glue/avg/linear/layer0": 2.0}))
+    runs = [scaling.read_run(d) for d in scaling.run_dirs(f"{tmp_path}/pipeline/*/pretrain")]
+    assert scaling.probe_curves(runs[1], "linear") == {"sst2": [(5e14, 53.0), (1e15, 58.0)],
+                                                       "avg": [(5e14, 52.0), (1e15, 57.0)]}
+    assert scaling.probe_curves(runs[0], "knn") == {"avg": [(5e14, 1.0), (1e15, 1.0)]}
+    out = tmp_path / "figure6.png"
+    scaling.main(["plot", "kind=training", f"runs={tmp_path}/pipeline/*/pretrain", f"out={out}"])
+    width = int.from_bytes(out.read_bytes()[16:20], "big")  # 120 dpi x (1 + 4 per panel): the average and sst2
+    assert width == 120 * (1 + 4 * 2)
+    fake_run(tmp_path / "unprobed", "bert", 64, 1e-3, 512, 1e15, [5.0, 4.0])
+    with pytest.raises(SystemExit) as exit_:
+        scaling.main(["plot", "kind=training", f"runs={tmp_path / 'unprobed'}", f"out={out}"])
+    assert exit_.value.code == 2 and "no GLUE probe scores" in capsys.readouterr().err
