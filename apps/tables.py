@@ -1,11 +1,12 @@
 """The paper's tables from a pipeline's folder (lingua/pipeline.py), the paper's numbers beside ours:
 
-    python -m apps.tables table=3|2|4|5|6|7 dir=PIPELINE_DIR [out=TABLE.md]
+    python -m apps.tables table=3|1|2|4|5|6|7 dir=PIPELINE_DIR [out=TABLE.md]
 
 It reads, for each variant V of the pipeline (DIR/pipeline.json), what its stages wrote under DIR/V/:
 - pretrain/: the pre-training run (parameters and processes from its log, training FLOPs in the paper's counting,
   the median token-views/s per GPU: the paper's tps, CrossBERT with CMS counting each sequence's 2 views);
 - probes/results.json: the frozen GLUE probes (apps.eval.glue);
+- probes_layers/results.json: the frozen GLUE probes of every layer (apps.eval.glue layers=all), Table 1's rows;
 - finetune*/: the GLUE fine-tuning sweeps, each task at the learning rate chosen on dev (apps.finetune.table);
 - mteb_*_frozen/ and mteb_*_full/results.json: MTEB after contrastive training over the frozen backbone or of the
   whole model (apps.eval.mteb), a section per benchmark.
@@ -39,8 +40,8 @@ SHORT = {"Classification": "Class.", "Clustering": "Clust.", "PairClassification
 
 @dataclass
 class TablesArgs:
-    table: str = "3"  # 3 (the main table), 2 (CrossBERT's masking ratio), 4 (predictor), 5 (CMS), 6 (BERT's
-    # masking ratio) or 7 (the pooler's warm start)
+    table: str = "3"  # 3 (the main table), 1 (the probes layer by layer), 2 (CrossBERT's masking ratio), 4
+    # (predictor), 5 (CMS), 6 (BERT's masking ratio) or 7 (the pooler's warm start)
     dir: str = ""  # the pipeline's folder (holding pipeline.json)
     out: str = ""  # also write the table here
 
@@ -65,11 +66,17 @@ def pretraining(run: Path) -> dict | None:
 
 def probe_scores(folder: Path) -> dict[str, dict[str, float]]:
     """{probe: {task: score}} of a GLUE probe results file (the last layer)."""
+    return layer_scores(folder).get("last", {})
+
+
+def layer_scores(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """{layer: {probe: {task: score}}} of a GLUE probe results file, its layers in order ("last" after the indices)."""
     path = folder / "results.json"
     if not path.exists():
         return {}
-    return {probe: {t: s for t, s in scores.items() if t != "avg"}
-            for probe, scores in json.loads(path.read_text())["summary"]["last"].items()}
+    summary = json.loads(path.read_text())["summary"]
+    return {layer: {probe: {t: s for t, s in scores.items() if t != "avg"} for probe, scores in summary[layer].items()}
+            for layer in sorted(summary, key=lambda name: (name == "last", int(name) if name.isdigit() else 0))}
 
 
 def finetune_scores(variant_dir: Path) -> dict[str, float]:
@@ -105,6 +112,7 @@ class Variant:
     keys: dict
     pretrain: dict | None
     probes: dict[str, dict[str, float]]
+    layers: dict[str, dict[str, dict[str, float]]]  # probes_layers/: {layer: {probe: {task: score}}}
     finetune: dict[str, float]
     mteb_runs: dict[tuple[str, str], dict]  # results.json per (benchmark, protocol)
 
@@ -119,7 +127,8 @@ def read_pipeline(folder: Path) -> list[Variant]:
         raise UserError(f"{folder} holds no pipeline (pipeline.json): python -m lingua.stool pipeline writes it")
     variants = json.loads(record.read_text())["variants"]
     return [Variant(name, keys, pretraining(folder / name / "pretrain"), probe_scores(folder / name / "probes"),
-                    finetune_scores(folder / name), mteb_results(folder / name))
+                    layer_scores(folder / name / "probes_layers"), finetune_scores(folder / name),
+                    mteb_results(folder / name))
             for name, keys in variants.items()]
 
 
@@ -206,6 +215,21 @@ def _meta(variant: Variant) -> list[str]:
     return [params, flops, tps]
 
 
+def table1(variants: list[Variant]) -> list[str]:
+    """A row per layer (0: the first block's output) per probe; the paper's numbers are not in apps/paper.yaml, so
+    ours stand alone."""
+    lines = ["# Table 1: GLUE probes on each layer's frozen features", "",
+             "A row per layer (0: the first block's output, the last: the encoder's output); ours alone.", ""]
+    for v in variants:
+        for probe in dict.fromkeys(p for scores in v.layers.values() for p in scores):
+            lines += glue_section(f"{v.label}, {probe} probe",
+                                  [(f"Layer {layer}", [], scores.get(probe, {})) for layer, scores in v.layers.items()],
+                                  [])
+    if len(lines) == 4:
+        raise UserError("no layer-wise probe results (VARIANT/probes_layers/results.json: apps.eval.glue layers=all)")
+    return lines
+
+
 def table3(variants: list[Variant]) -> list[str]:
     meta = ["Params", "FLOPs", "tps"]
     apps = [v.keys.get("app") for v in variants if v.keys.get("app") in paper.SINGLE_SCALE]
@@ -288,7 +312,7 @@ def table6(variants: list[Variant]) -> list[str]:
     return glue_ablation("Table 6: BERT's masking ratio", variants, paper.BERT_MASK_RATIO, "mask %")
 
 
-TABLES = {"2": table2, "3": table3, "4": table4, "5": table5, "6": table6, "7": table7}
+TABLES = {"1": table1, "2": table2, "3": table3, "4": table4, "5": table5, "6": table6, "7": table7}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -160,7 +160,30 @@ def test_table7_compares_the_cold_and_warm_pooler_on_mteb(tmp_path, capsys):
 
 def test_a_folder_without_a_pipeline_and_an_unknown_table_are_one_line_errors(tmp_path, capsys):
     for argv, message in ((["table=3", f"dir={tmp_path}"], "holds no pipeline (pipeline.json)"),
-                          (["table=9", f"dir={tmp_path}"], "must be one of 2, 3, 4, 5, 6, 7")):
+                          (["table=9", f"dir={tmp_path}"], "must be one of 1, 2, 3, 4, 5, 6, 7")):
         with pytest.raises(SystemExit) as exit_:
             tables.main(argv)
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_table1_has_a_row_per_layer_with_each_tasks_score_and_the_average(tmp_path, capsys):
+    folder = fake_pipeline(tmp_path / "p", {"bert": {"app": "bert"}})
+    summary = {str(layer): {"linear": {"rte": 50.0 + layer, "sst2": 70.0 + layer, "avg": 0.0},
+                            "knn": {"rte": 40.0, "sst2": 60.0, "avg": 0.0}} for layer in (10, 0, 1)}
+    (folder / "bert" / "probes_layers").mkdir()
+    (folder / "bert" / "probes_layers" / "results.json").write_text(json.dumps({"summary": summary}))
+    lines = render(capsys, "1", folder)
+    linear = lines.index("**bert, linear probe**")
+    assert lines[linear + 2:linear + 7] == ["| Model | RTE | SST2 | Avg. (2 of 8 tasks) |", "|---|---|---|---|",
+                                            "| Layer 0 | 50.0 | 70.0 | 60.0 |", "| Layer 1 | 51.0 | 71.0 | 61.0 |",
+                                            "| Layer 10 | 60.0 | 80.0 | 70.0 |"]
+    knn = lines.index("**bert, knn probe**")
+    assert lines[knn + 4] == "| Layer 0 | 40.0 | 60.0 | 50.0 |"
+    assert any(line.startswith("Metrics") and "RTE" in line for line in lines[linear:knn])
+
+
+def test_table1_without_layer_wise_results_says_what_is_missing(tmp_path, capsys):
+    folder = fake_pipeline(tmp_path / "p", {"bert": {"app": "bert"}}, probes={"bert": {"rte": 60.0}})
+    with pytest.raises(SystemExit) as exit_:
+        render(capsys, "1", folder)
+    assert exit_.value.code == 2 and "probes_layers/results.json" in capsys.readouterr().err
