@@ -2,14 +2,16 @@
 
 Positions are per token (`[batch, seq]`), so a sequence whose tokens were gathered out of order (CrossBERT's visible
 tokens) keeps each token's original position. Attention masks are described once, as per-token group ids
-(`AttnMask`): a query attends to a key iff their ids are equal. Each backend turns that description into its own
-mask format; `None` means full bidirectional attention. Rows made of independent parts of static lengths (CrossBERT's
+(`AttnMask`): a query attends to a key iff their ids are equal. Each attention backend (one `AttentionBackend` in
+`ATTN_BACKENDS`, by its config name) turns that description into its own mask format and computes attention with it;
+`None` means full bidirectional attention. Rows made of independent parts of static lengths (CrossBERT's
 two views) are described by `Segments` instead: each part's attention is computed on its own, with no mask and no
 score computed across parts.
 
 Models are built on the meta device and materialised by `init_weights` (truncated normal, std `init_std`).
 """
 
+import abc
 import dataclasses
 import functools
 import math
@@ -23,8 +25,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lingua.args import at_least, require
 from lingua.masking import chunked_lm_loss, masked_lm_loss
-
-ATTN_BACKENDS = ("sdpa", "flex", "xformers")
 
 
 @dataclass
@@ -123,25 +123,32 @@ def padding_mask(pad_mask: torch.Tensor | None) -> AttnMask | None:
     return AttnMask(ids, ids)
 
 
-def build_attn_bias(mask: AttnMask | Segments | None, backend: str, n_heads: int):
-    """Translates the group-id mask into what `backend` consumes; built once per forward, shared by all layers."""
-    if mask is None or isinstance(mask, Segments):
-        return mask
-    if backend == "sdpa":
+class AttentionBackend(abc.ABC):
+    """One attention kernel: the mask format it consumes (built from group ids once per forward, shared by all
+    layers) and the attention it computes with that mask (None: full attention). Tensors are [B, S, H, Dh]."""
+
+    name: ClassVar[str]  # the `attn_backend` value that selects it
+
+    @abc.abstractmethod
+    def bias(self, mask: AttnMask, n_heads: int):
+        """The mask in this kernel's format."""
+
+    @abc.abstractmethod
+    def attend(self, q, k, v, bias) -> torch.Tensor:
+        """q: [B, Sq, H, Dh], k/v: [B, Sk, H, Dh] -> [B, Sq, H, Dh]."""
+
+
+class SdpaBackend(AttentionBackend):
+    """PyTorch's scaled_dot_product_attention (CPU and GPU) with a boolean mask."""
+
+    name = "sdpa"
+
+    def bias(self, mask, n_heads):
         return (mask.q_ids[:, :, None] == mask.kv_ids[:, None, :])[:, None]  # [B, 1, Sq, Sk] bool
-    if backend == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
 
-        q_ids, kv_ids = mask.q_ids, mask.kv_ids
-
-        def same_group(b, h, q, kv):
-            return q_ids[b, q] == kv_ids[b, kv]
-
-        B, Sq, Sk = q_ids.shape[0], q_ids.shape[1], kv_ids.shape[1]
-        return create_block_mask(same_group, B, None, Sq, Sk, device=q_ids.device)
-    allowed = mask.q_ids[:, None, :, None] == mask.kv_ids[:, None, None, :]
-    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(~allowed, -math.inf)
-    return bias.expand(-1, n_heads, -1, -1)  # xformers wants [B, H, Sq, Sk]
+    def attend(self, q, k, v, bias):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2)
 
 
 @functools.cache
@@ -151,22 +158,59 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
+class FlexBackend(AttentionBackend):
+    """Compiled flex_attention (GPU) with a block mask, which skips the blocks where no query attends any key."""
+
+    name = "flex"
+
+    def bias(self, mask, n_heads):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        q_ids, kv_ids = mask.q_ids, mask.kv_ids
+
+        def same_group(b, h, q, kv):
+            return q_ids[b, q] == kv_ids[b, kv]
+
+        B, Sq, Sk = q_ids.shape[0], q_ids.shape[1], kv_ids.shape[1]
+        return create_block_mask(same_group, B, None, Sq, Sk, device=q_ids.device)
+
+    def attend(self, q, k, v, bias):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return _compiled_flex_attention()(q, k, v, block_mask=bias).transpose(1, 2)
+
+
+class XformersBackend(AttentionBackend):
+    """xformers' memory_efficient_attention (if installed) with an additive bias, -inf where attention is barred."""
+
+    name = "xformers"
+
+    def bias(self, mask, n_heads):
+        allowed = mask.q_ids[:, None, :, None] == mask.kv_ids[:, None, None, :]
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(~allowed, -math.inf)
+        return bias.expand(-1, n_heads, -1, -1)  # xformers wants [B, H, Sq, Sk]
+
+    def attend(self, q, k, v, bias):
+        import xformers.ops as xops
+
+        return xops.memory_efficient_attention(q, k, v, attn_bias=None if bias is None else bias.to(q.dtype))
+
+
+# Every backend by the name `attn_backend` takes; the config accepts exactly these.
+ATTN_BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (SdpaBackend(), FlexBackend(), XformersBackend())}
+
+
+def build_attn_bias(mask: AttnMask | Segments | None, backend: str, n_heads: int):
+    """Translates the group-id mask into what `backend` consumes; built once per forward, shared by all layers."""
+    if mask is None or isinstance(mask, Segments):
+        return mask
+    return ATTN_BACKENDS[backend].bias(mask, n_heads)
+
+
 def attention(q, k, v, bias, backend: str) -> torch.Tensor:
     """q: [B, Sq, H, Dh], k/v: [B, Sk, H, Dh] -> [B, Sq, H, Dh]."""
     if isinstance(bias, Segments):
         return segmented_attention(q, k, v, bias, backend)
-    if backend == "xformers":
-        import xformers.ops as xops
-
-        if bias is not None:
-            bias = bias.to(q.dtype)
-        return xops.memory_efficient_attention(q, k, v, attn_bias=bias)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if backend == "flex":
-        out = _compiled_flex_attention()(q, k, v, block_mask=bias)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-    return out.transpose(1, 2)
+    return ATTN_BACKENDS[backend].attend(q, k, v, bias)
 
 
 def segmented_attention(q, k, v, segments: Segments, backend: str) -> torch.Tensor:

@@ -4,8 +4,10 @@ import math
 import pytest
 import torch
 
+from lingua.args import UserError
 from lingua.flops import count_params, non_embedding_params
 from lingua.transformer import (
+    ATTN_BACKENDS,
     AttnMask,
     CrossAttentionBlock,
     Encoder,
@@ -127,7 +129,14 @@ def test_sdpa_mask_matches_reference():
     assert torch.allclose(out, ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["flex", "xformers"])
+def test_every_registered_backend_is_a_config_choice_and_nothing_else_is():
+    for name, backend in ATTN_BACKENDS.items():
+        assert backend.name == name and TransformerArgs(attn_backend=name).attn_backend == name
+    with pytest.raises(UserError, match="attn_backend.*must be one of sdpa, flex, xformers, got 'flash'"):
+        TransformerArgs(attn_backend="flash")
+
+
+@pytest.mark.parametrize("backend", [name for name in ATTN_BACKENDS if name != "sdpa"])
 def test_backends_agree_with_sdpa(backend):
     q, k, v, mask = _random_qkv_and_mask()
     if backend == "xformers":
