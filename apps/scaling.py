@@ -320,11 +320,7 @@ def plot_command(argv: list[str]) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("compute C (FLOPs, paper counting)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
-    plt.close(fig)
-    print(f"plot: {args.out}")
+    _save(plt, fig, args.out)
 
 
 def _plot_training(plt, runs: list[dict[str, Any]], args: PlotArgs) -> None:
@@ -344,11 +340,15 @@ def _plot_training(plt, runs: list[dict[str, Any]], args: PlotArgs) -> None:
         ax.set_xlabel("compute so far (FLOPs, paper counting)")
         ax.set_ylabel(f"frozen {args.probe} probe (%)")
         ax.legend(fontsize=7)
+    _save(plt, fig, args.out)
+
+
+def _save(plt, fig, out: str) -> None:
     fig.tight_layout()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
     plt.close(fig)
-    print(f"plot: {args.out}")
+    print(f"plot: {out}")
 
 
 def _scatter_with_law(ax, runs, value, fit: bool = True) -> None:
