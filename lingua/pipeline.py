@@ -337,12 +337,13 @@ def state_of(dump_dir: Path, stage: Stage, states: dict[str, str]) -> str:
     if any(states.get(need) in ("failed", "blocked") for need in stage.after):
         return "blocked"
     job, _ = read_job_record(folder)
+    started = _read_json(folder / "started.json")
     if job is not None:
         if not _slurm_job_active(dump_dir, job["job_id"]):
             return "pending"  # its job ended without an outcome (killed, timed out): it runs again
-        state = "running" if (folder / "started.json").exists() else "submitted"
-    elif _alive(_read_json(folder / "started.json")):
-        state, job = "running", _read_json(folder / "started.json")
+        state = "running" if started is not None else "submitted"
+    elif _alive(started):
+        state, job = "running", started
     else:
         return "pending"
     return state if job.get("line", stage.line) == stage.line else "changed"
