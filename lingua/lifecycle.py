@@ -154,14 +154,21 @@ def process_start(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
+def boot_id() -> str | None:
+    """This boot of this host (Linux): pids and start times compare only within one."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
 def lease_holder() -> dict[str, str | None]:
     """What a lease says of this process, its holder. `machine` (boot and pid namespace) is shared by the processes
     whose pids this one can check; `job` and `round` name a SLURM job or torchrun rendezvous and its requeue or
     restart."""
     started = process_start(os.getpid())
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        machine = f"{boot}/{os.readlink('/proc/self/ns/pid').removeprefix('pid:[').removesuffix(']')}"
+        machine = f"{boot_id()}/{os.readlink('/proc/self/ns/pid').removeprefix('pid:[').removesuffix(']')}"
     except OSError:
         machine = None
     env, jobs, rounds = os.environ, [], []

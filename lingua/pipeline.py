@@ -59,6 +59,7 @@ from lingua.launcher import (
     split_arguments,
     write_job_record,
 )
+from lingua.lifecycle import boot_id, process_start
 
 FORWARDED_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # a scheduler's stop signals
 PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1)  # the time limit's warning, a preemption: the job goes back
@@ -270,23 +271,8 @@ def stage_job(folder: str, stage: Stage, code: str) -> None:
 def this_process(group: int) -> dict[str, Any]:
     """What tells a stage's runner and its command's process group apart from any other process, later and from
     another host: the host, its boot, the pid and when it started, the group and when its leader started."""
-    return {"host": socket.gethostname(), "boot": _boot_id(), "pid": os.getpid(),
-            "pid_start": _start_time(os.getpid()), "group": group, "group_start": _start_time(group)}
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _start_time(pid: int) -> str:
-    """When the process started, in clock ticks since boot; '' where /proc cannot say (another OS, a gone pid)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
+    return {"host": socket.gethostname(), "boot": boot_id(), "pid": os.getpid(),
+            "pid_start": process_start(os.getpid()), "group": group, "group_start": process_start(group)}
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -366,13 +352,13 @@ def _alive(started: dict[str, Any] | None) -> bool:
         return False
     if started.get("host", socket.gethostname()) != socket.gethostname():
         return True
-    if started.get("boot", _boot_id()) != _boot_id():
+    if started.get("boot", boot_id()) != boot_id():
         return False
     pid, group = started.get("pid"), started.get("group")
-    if pid and _exists(os.kill, pid) and started.get("pid_start", "") == _start_time(pid):
+    if pid and process_start(pid) is not None and started.get("pid_start") == process_start(pid):
         return True
-    leader = _start_time(group) if group else ""
-    return bool(group and leader in ("", started.get("group_start", "")) and _group_running(group))
+    leader = process_start(group) if group else None  # None: the leader is gone, its group may live on
+    return bool(group and leader in (None, started.get("group_start")) and _group_running(group))
 
 
 def _exists(kill, target: int) -> bool:
