@@ -7,7 +7,7 @@ An app is a package `<name>/` (the shipped ones live in `apps/`) with
   (checkpoints store the module's name and rebuild the model through it), then `main(APP)`;
 - `configs/*.yaml` (`debug.yaml`, `single_scale.yaml` and `scaling_*.yaml` are found by the tools when present).
 The tools find an app by name: `bert` is `apps/bert`, any other importable package `toy` with a `toy/train.py`
-works the same (`apps.benchmark apps=toy`); every package of `apps/` with a train.py is registered
+works the same (`tools.benchmark apps=toy`); every package of `apps/` with a train.py is registered
 (`registered_apps`), and the tests iterate over them. An app that trains on something other than packed text rows
 (contrastive triplets) gives its own `DataPipeline`; one that starts from another app's weights gives `load_init`
 (and `configure`, to take that run's shapes); one scored otherwise than by a loss on held-out rows gives `validate`
@@ -139,7 +139,7 @@ class App:
     # equal on every rank: the app's own validation, in place of the loss on the validation rows
     parallelize: Callable | None = None  # (model, DistributedArgs, Launch, device): the app's own parallelism
     # plan; default: activation checkpointing, compile and FSDP2 per sharding unit (lingua/parallel.py)
-    scaling: ScalingLaws | None = None  # its batch-size and learning-rate laws, for `apps.scaling plan`
+    scaling: ScalingLaws | None = None  # its batch-size and learning-rate laws, for `tools.scaling plan`
     variants: dict[str, list[str]] = field(default_factory=dict)  # named model settings worth testing and
     # benchmarking beside the defaults, e.g. {"no CMS": ["cms=false"]}
 

@@ -18,7 +18,7 @@ A pipeline file:
         launcher: {nodes: 4, gpus_per_node: 8, time: 1440}
       probes:
         after: [pretrain]                    # the same variant's stage; from a stage run once: every variant's
-        run: apps.eval.glue ckpt={dir}/{variant}/pretrain data={glue} out={dir}/{variant}/probes
+        run: tools.eval.glue ckpt={dir}/{variant}/pretrain data={glue} out={dir}/{variant}/probes
 
 `run` is a Python module and its key=value arguments (`python -m` runs it, in the snapshot of the code made when the
 stage was launched, DIR/code/HASH), split into arguments as a shell would before the values are filled in: a value

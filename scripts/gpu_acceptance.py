@@ -9,7 +9,7 @@ still run; the reports are rewritten after every part):
 1. environment: GPU, memory, torch and CUDA versions, the measured bf16 matmul rate and copy bandwidth (ceilings);
 2. tests: tests/test_gpu_paths.py and tests/test_compile.py (on a GPU: the attention backends in bf16, the step
    without host synchronisation, compiled steps; on a CPU their CPU halves);
-3. benchmark: `apps.benchmark preset=paper` for BERT, CrossBERT and ELECTRA in bf16, compiled: token-views/s, MFU
+3. benchmark: `tools.benchmark preset=paper` for BERT, CrossBERT and ELECTRA in bf16, compiled: token-views/s, MFU
    (heads counted and not), peak memory, CrossBERT's speed-up against the paper's 1.68x;
    profile: where one step of each goes (attention, matmuls, output head, optimizer, communication, other), for
    when a target is missed;
@@ -107,7 +107,7 @@ def benchmark(work: Path, dry_run: bool) -> dict:
     results = work / "benchmark.json"
     preset = ["preset=debug", "warmup=1", "steps=1", "rounds=1"] if dry_run else \
         ["preset=paper", "compile=true", "warmup=3", "steps=5", "rounds=2"]
-    _run([sys.executable, "-m", "apps.benchmark", "apps=bert,crossbert,electra", *preset, f"out={results}"],
+    _run([sys.executable, "-m", "tools.benchmark", "apps=bert,crossbert,electra", *preset, f"out={results}"],
          work / "benchmark.log")
     report = json.loads(results.read_text())
     apps = {}
@@ -143,7 +143,7 @@ def profile(work: Path, dry_run: bool) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiled
 
-    from apps.benchmark import build, parse_args, step
+    from tools.benchmark import build, parse_args, step
 
     preset = ["preset=debug", "warmup=1"] if dry_run else ["preset=paper", "warmup=1"]  # eager: no compile time
     args = parse_args(["apps=bert,crossbert,electra", *preset])
@@ -224,7 +224,7 @@ def write_corpus(root: Path, n_docs: int) -> None:
 def glue(work: Path, dry_run: bool) -> dict:
     data = _bundle_glue() or REPO / "tests" / "fixtures" / "glue"
     start = time.perf_counter()
-    _run([sys.executable, "-m", "apps.eval.glue", f"ckpt={work / 'run'}", f"data={data}", "tasks=rte",
+    _run([sys.executable, "-m", "tools.eval.glue", f"ckpt={work / 'run'}", f"data={data}", "tasks=rte",
           "probes=linear,knn", f"out={work / 'glue.json'}"], work / "glue.log")
     results = json.loads((work / "glue.json").read_text())
     return {"data": str(data), "seconds": time.perf_counter() - start,

@@ -84,9 +84,9 @@ def test_a_nested_config_starts_from_its_fields_default():
     assert load_config(Outer, ["inner.a=3"]).inner == Inner(a=3, b=2)
 
 
-@pytest.mark.parametrize("module", ["apps.bert.train", "apps.crossbert.train", "apps.electra.train", "apps.benchmark",
-                                    "apps.diagnose", "apps.eval.glue", "apps.scaling", "lingua.stool",
-                                    "apps.contrastive.train", "apps.eval.embeddings", "apps.eval.mteb",
+@pytest.mark.parametrize("module", ["apps.bert.train", "apps.crossbert.train", "apps.electra.train", "tools.benchmark",
+                                    "tools.diagnose", "tools.eval.glue", "tools.scaling", "lingua.stool",
+                                    "apps.contrastive.train", "tools.eval.embeddings", "tools.eval.mteb",
                                     "lingua.eval.triplets", "lingua.export", "apps.crossbert.inspect"])
 def test_every_command_answers_help(module):
     done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
@@ -118,8 +118,8 @@ class Commented:
 
 
 def test_help_prints_whole_comments_and_no_hash_inside_a_string():
-    from apps.scaling import PlanArgs
-    from apps.tables import TablesArgs
+    from tools.scaling import PlanArgs
+    from tools.tables import TablesArgs
     from lingua.validation import ValidationArgs
 
     assert "6 (BERT's masking ratio) or 7 (the pooler's warm start)" in config_help(TablesArgs)

@@ -1,11 +1,11 @@
-"""The throughput benchmark (apps/benchmark.py) with preset debug: every figure is produced and consistent with the
+"""The throughput benchmark (tools/benchmark.py) with preset debug: every figure is produced and consistent with the
 models' own accounting (how fast the steps are is not tested)."""
 
 import json
 
 import pytest
 
-from apps import benchmark
+from tools import benchmark
 from apps.crossbert.model import CrossBertArgs, crossbert_flops_per_token_view
 from lingua.flops import encoder_flops_per_token
 from lingua.transformer import TransformerArgs

@@ -42,7 +42,7 @@ def test_training_step_compiles_as_one_graph_and_never_recompiles(variant):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device synchronisation exists on GPUs only")
 @pytest.mark.parametrize("variant", APPS)
 def test_training_step_does_not_synchronise_with_the_host(variant):
-    from apps.benchmark import BenchmarkArgs, build, step
+    from tools.benchmark import BenchmarkArgs, build, step
 
     args = BenchmarkArgs(apps=variant.split(",")[0], batch_size=2, seq_len=24, vocab_size=VOCAB, warmup=1,
                          encoder=load_config(load_app("bert").model_args_cls, TINY).encoder)

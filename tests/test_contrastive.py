@@ -181,7 +181,7 @@ def test_embedder_uses_the_trained_pooler_and_batching_does_not_change_vectors(p
 
 
 def test_the_embedding_evaluation_command_scores_retrieval_and_sts(pretrained, tmp_path, capsys):
-    from apps.eval import embeddings
+    from tools.eval import embeddings
 
     beir = tmp_path / "beir"
     (beir / "qrels").mkdir(parents=True)

@@ -1,10 +1,10 @@
-"""The learning-curve diagnostic (apps/diagnose.py): its tasks, and a short run of both apps."""
+"""The learning-curve diagnostic (tools/diagnose.py): its tasks, and a short run of both apps."""
 
 import json
 
 import torch
 
-from apps import diagnose
+from tools import diagnose
 from lingua.args import load_config
 
 

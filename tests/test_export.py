@@ -14,7 +14,7 @@ import torch
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
-from apps.eval import glue as glue_command
+from tools.eval import glue as glue_command
 from lingua.args import UserError, load_config, to_dict
 from lingua.checkpoint import build_from_params, export_consolidated, load_model
 from lingua.embed import load_embedder

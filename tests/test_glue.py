@@ -14,7 +14,7 @@ from apps.bert.model import BertArgs
 from apps.bert.train import BertTrainArgs
 from apps.crossbert.model import CrossBertArgs
 from apps.crossbert.train import CrossBertTrainArgs
-from apps.eval import glue as glue_command
+from tools.eval import glue as glue_command
 from lingua.args import UserError, to_dict
 from lingua.checkpoint import (
     CheckpointArgs,

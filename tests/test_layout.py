@@ -1,10 +1,10 @@
-"""The code's layout: the modules of lingua/ and apps/ import each other in one direction only (no circle)."""
+"""The code's layout: the modules of lingua/, apps/ and tools/ import each other in one direction only (no circle)."""
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("lingua", "apps")
+PACKAGES = ("lingua", "apps", "tools")
 
 
 def module_files() -> dict[str, Path]:

@@ -136,10 +136,10 @@ def test_summary_is_the_papers_table():
 
 
 def test_command_answers_help():
-    done = subprocess.run([sys.executable, "-m", "apps.eval.mteb", "--help"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "tools.eval.mteb", "--help"], capture_output=True, text=True,
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    assert "python -m apps.eval.mteb" in done.stdout and "benchmark: str = 'MTEB(eng, v2)'" in done.stdout
+    assert "python -m tools.eval.mteb" in done.stdout and "benchmark: str = 'MTEB(eng, v2)'" in done.stdout
 
 
 def test_unreachable_hub_is_a_one_line_error(tmp_path):
@@ -147,7 +147,7 @@ def test_unreachable_hub_is_a_one_line_error(tmp_path):
     pytest.importorskip("mteb")
     run_command = ("import lingua.embed, test_mteb\n"
                    "lingua.embed.load_embedder = lambda path, **kwargs: test_mteb.HashedBagOfWords()\n"
-                   "from apps.eval.mteb import main\n"
+                   "from tools.eval.mteb import main\n"
                    f"main(['ckpt={tmp_path}', 'tasks=STS12', 'out={tmp_path / 'out'}'])\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}

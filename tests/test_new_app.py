@@ -11,8 +11,8 @@ import torch
 import transformers
 from conftest import read_metrics, write_corpus
 
-from apps import benchmark, scaling
-from apps.eval import glue as glue_command
+from tools import benchmark, scaling
+from tools.eval import glue as glue_command
 from lingua import export
 from lingua.app import load_app
 from lingua.checkpoint import load_model

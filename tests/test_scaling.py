@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
-from apps import scaling
+from tools import scaling
 from lingua.scaling import PowerLaw, best_per_group, fit_power_law
 
 # Appendix J: (FLOPs, dim, layers, steps, tokens (B), BSZ, GPUs, grad acc, LR)
@@ -68,7 +68,7 @@ def test_plan_derives_accumulation_from_the_micro_batch_and_writes_a_config(tmp_
 def test_electra_takes_berts_backbones_and_laws():
     _, config, plan = scaling.plan(scaling.PlanArgs(app="electra", compute=2.17e18, gpus=4, grad_acc=1))
     assert config["model"] == {"encoder": yaml.safe_load(
-        open(scaling.Path(scaling.__file__).parent / "bert/configs/scaling_0.yaml"))["model"]["encoder"]}
+        open(scaling.Path(scaling.__file__).parents[1] / "apps/bert/configs/scaling_0.yaml"))["model"]["encoder"]}
     assert plan.lr == pytest.approx(2.75e-3, rel=0.01)
 
 

@@ -96,7 +96,7 @@ def test_a_dry_run_prints_commands_a_shell_can_run(tmp_path, corpus, capsys):
 
 def test_snapshot_holds_everything_the_run_imports(tmp_path):
     code = snapshot_code(tmp_path / "code")
-    probe = ("import sys, apps.crossbert.train, apps.eval.glue, lingua.stool; "
+    probe = ("import sys, apps.crossbert.train, tools.eval.glue, lingua.stool; "
              "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))")
     files = subprocess.run([sys.executable, "-c", probe], cwd=code, capture_output=True, text=True,
                            check=True).stdout.split()

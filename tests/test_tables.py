@@ -1,10 +1,10 @@
-"""apps.tables: the paper's tables from a pipeline's folder (made up here), ours beside the paper's numbers."""
+"""tools.tables: the paper's tables from a pipeline's folder (made up here), ours beside the paper's numbers."""
 
 import json
 
 import pytest
 
-from apps import paper, tables
+from tools import paper, tables
 from lingua.eval.glue import TASKS
 
 CATEGORIES = ("Classification", "Clustering", "PairClassification", "Reranking", "Retrieval", "STS",

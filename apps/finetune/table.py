@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from apps.eval.glue import run_dump_dir
-from apps.paper import GLUE_FINETUNE
+from tools.eval.glue import run_dump_dir
+from tools.paper import GLUE_FINETUNE
 from lingua.app import load_app, short_name
 from lingua.args import UserError, command_line
 from lingua.checkpoint import Checkpoint

@@ -8,12 +8,12 @@ GLUE=${GLUE:-../shared/data/glue}
 python -m lingua.stool sweep sweep=docs/cpu_study/sweep.yaml
 python -m lingua.stool status dump/cpu_study
 for metrics in dump/cpu_study/*/metrics.jsonl; do  # every run's dump_dir (not submitit's folder)
-  python -m apps.eval.glue ckpt="$(dirname "$metrics")" data="$GLUE" tasks=sst2,mrpc,cola,stsb,rte max_train=1000
+  python -m tools.eval.glue ckpt="$(dirname "$metrics")" data="$GLUE" tasks=sst2,mrpc,cola,stsb,rte max_train=1000
 done
 for kind in curves loss probes; do
-  python -m apps.scaling plot kind=$kind runs=dump/cpu_study out=docs/cpu_study/$kind.png
+  python -m tools.scaling plot kind=$kind runs=dump/cpu_study out=docs/cpu_study/$kind.png
 done
-python -m apps.scaling plot kind=probes probe=knn runs=dump/cpu_study out=docs/cpu_study/probes_knn.png
+python -m tools.scaling plot kind=probes probe=knn runs=dump/cpu_study out=docs/cpu_study/probes_knn.png
 for probe in linear knn; do
-  python -m apps.scaling table runs=dump/cpu_study probe=$probe | tee docs/cpu_study/glue_$probe.md
+  python -m tools.scaling table runs=dump/cpu_study probe=$probe | tee docs/cpu_study/glue_$probe.md
 done

@@ -16,7 +16,7 @@ for app in bert crossbert electra; do
 done
 python -m lingua.eval.triplets beir="$DATA/retrieval/scifact" out=data/triplets/scifact_train.jsonl n_negatives=3
 evaluate() {
-  python -m apps.eval.embeddings ckpt="$1" retrieval="$DATA/retrieval/scifact" sts="$DATA/retrieval" \
+  python -m tools.eval.embeddings ckpt="$1" retrieval="$DATA/retrieval/scifact" sts="$DATA/retrieval" \
     sts_sets=STSBenchmark/test,SICK/test out="dump/embedding_study/$2.json"
 }
 for app in bert crossbert electra; do

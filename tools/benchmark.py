@@ -1,5 +1,5 @@
 """Training throughput of the apps side by side, on one backbone and one device:
-    python -m apps.benchmark apps=bert,crossbert,electra preset=debug|cpu|paper [key=value ...] [out=RESULTS.json]
+    python -m tools.benchmark apps=bert,crossbert,electra preset=debug|cpu|paper [key=value ...] [out=RESULTS.json]
 
 Each app is built on the shared backbone (`encoder.*` overrides apply to all; `app+key=value` in the list changes
 one app's model, e.g. `apps=crossbert,crossbert+cms_attention=mask`) and runs full training steps (masking, forward,

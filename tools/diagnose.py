@@ -1,12 +1,12 @@
 """How fast BERT and CrossBERT learn controlled masked-token tasks, side by side (a minute on a CPU):
-    python -m apps.diagnose task=pairs apps=bert,crossbert+cms=false+mask_ratio=0.2 [steps=300] [key=value ...]
+    python -m tools.diagnose task=pairs apps=bert,crossbert+cms=false+mask_ratio=0.2 [steps=300] [key=value ...]
 
 Sequences of random bytes (the byte tokenizer's vocabulary) built so that a masked token is determined by others:
 - `pairs`: every byte written twice ("xxyyzz..."): the answer is the partner, one place to the left or right;
 - `period`: a random block of `period` bytes repeated: the answer is `period` places away (period=1: one byte
   repeated, where content alone answers and no position is needed);
 Prints the accuracy on a fixed held-out batch every `every` steps, one column per app (`app+key=value` changes
-one app's model, as in apps/benchmark.py); `out=FILE.json` also writes the curves.
+one app's model, as in tools/benchmark.py); `out=FILE.json` also writes the curves.
 """
 
 import json

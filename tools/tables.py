@@ -1,15 +1,15 @@
 """The paper's tables from a pipeline's folder (lingua/pipeline.py), the paper's numbers beside ours:
 
-    python -m apps.tables table=3|1|2|4|5|6|7 dir=PIPELINE_DIR [out=TABLE.md]
+    python -m tools.tables table=3|1|2|4|5|6|7 dir=PIPELINE_DIR [out=TABLE.md]
 
 It reads, for each variant V of the pipeline (DIR/pipeline.json), what its stages wrote under DIR/V/:
 - pretrain/: the pre-training run (parameters and processes from its log, training FLOPs in the paper's counting,
   the median token-views/s per GPU: the paper's tps, CrossBERT with CMS counting each sequence's 2 views);
-- probes/results.json: the frozen GLUE probes (apps.eval.glue);
-- probes_layers/results.json: the frozen GLUE probes of every layer (apps.eval.glue layers=all), Table 1's rows;
+- probes/results.json: the frozen GLUE probes (tools.eval.glue);
+- probes_layers/results.json: the frozen GLUE probes of every layer (tools.eval.glue layers=all), Table 1's rows;
 - finetune*/: the GLUE fine-tuning sweeps, each task at the learning rate chosen on dev (apps.finetune.table);
 - mteb_*_frozen/ and mteb_*_full/results.json: MTEB after contrastive training over the frozen backbone or of the
-  whole model (apps.eval.mteb), a section per benchmark.
+  whole model (tools.eval.mteb), a section per benchmark.
 
 A variant's `app` names the paper's row beside it in Table 3; in the ablations its `row` labels its row and picks
 the paper's. Columns are the tasks that were run; each table names its metrics. GLUE: an average over fewer tasks
@@ -25,8 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from apps import paper
-from apps.eval.mteb import benchmark_of
+from tools import paper
+from tools.eval.mteb import benchmark_of
 from apps.finetune.table import choose, metric_names, read_results
 from lingua.args import UserError, command_line, load_config
 from lingua.eval.glue import TASKS
@@ -216,7 +216,7 @@ def _meta(variant: Variant) -> list[str]:
 
 
 def table1(variants: list[Variant]) -> list[str]:
-    """A row per layer (0: the first block's output) per probe; the paper's numbers are not in apps/paper.yaml, so
+    """A row per layer (0: the first block's output) per probe; the paper's numbers are not in tools/paper.yaml, so
     ours stand alone."""
     lines = ["# Table 1: GLUE probes on each layer's frozen features", "",
              "A row per layer (0: the first block's output, the last: the encoder's output); ours alone.", ""]
@@ -226,7 +226,7 @@ def table1(variants: list[Variant]) -> list[str]:
                                   [(f"Layer {layer}", [], scores.get(probe, {})) for layer, scores in v.layers.items()],
                                   [])
     if len(lines) == 4:
-        raise UserError("no layer-wise probe results (VARIANT/probes_layers/results.json: apps.eval.glue layers=all)")
+        raise UserError("no layer-wise probe results (VARIANT/probes_layers/results.json: tools.eval.glue layers=all)")
     return lines
 
 

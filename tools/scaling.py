@@ -1,9 +1,9 @@
 """Scaling laws: plan a compute-optimal run, fit the hyper-parameter power laws, plot a sweep.
 
-    python -m apps.scaling plan app=crossbert compute=1e19 gpus=16 [micro_batch=128] [out=CONFIG.yaml]
-    python -m apps.scaling fit runs=SWEEP_DIR[,SWEEP_DIR...] [keep=3]
-    python -m apps.scaling plot kind=curves|loss|probes|training runs=SWEEP_DIR[,...] out=PLOT.png [probe=linear|knn]
-    python -m apps.scaling table runs=SWEEP_DIR[,...] [probe=linear|knn]
+    python -m tools.scaling plan app=crossbert compute=1e19 gpus=16 [micro_batch=128] [out=CONFIG.yaml]
+    python -m tools.scaling fit runs=SWEEP_DIR[,SWEEP_DIR...] [keep=3]
+    python -m tools.scaling plot kind=curves|loss|probes|training runs=SWEEP_DIR[,...] out=PLOT.png [probe=linear|knn]
+    python -m tools.scaling table runs=SWEEP_DIR[,...] [probe=linear|knn]
 
 plan: the shape from the app's family (the configs `shapes`, by default apps/<app>/configs/scaling_*.yaml, the
 paper's Appendix J) whose F_N is nearest sqrt(C / ratio); D = C / F_N token-views; BSZ and LR from the app's power
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import yaml
 
-from apps.eval.mteb import benchmark_of
+from tools.eval.mteb import benchmark_of
 from lingua.app import App, load_app, registered_apps, short_name
 from lingua.args import UserError, command_line, load_config, read_yaml, require
 from lingua.checkpoint import Checkpoint
@@ -258,7 +258,7 @@ def _probe_results(dump_dir: Path) -> dict[str, dict[str, float]]:
 
 def _mteb_results(dump_dir: Path) -> dict[str, float]:
     """{benchmark: Avg.} of the newest MTEB evaluation per benchmark filed with the run (DUMP_DIR/mteb_eval/*/: the
-    contrastive model trained from it, evaluated with apps.eval.mteb out=DUMP_DIR/mteb_eval/NAME)."""
+    contrastive model trained from it, evaluated with tools.eval.mteb out=DUMP_DIR/mteb_eval/NAME)."""
     found: dict[str, float] = {}
     for path in sorted((dump_dir / "mteb_eval").glob("*/results.json"), key=lambda p: p.stat().st_mtime):
         results = json.loads(path.read_text())

@@ -1,6 +1,6 @@
 """MTEB evaluation of a checkpoint's sentence embeddings (mteb's own evaluation, no prompts, as in the paper):
 
-    python -m apps.eval.mteb ckpt=DUMP_DIR_OR_CHECKPOINT [benchmark="MTEB(eng, v2)"] [tasks=STS12,SciFact]
+    python -m tools.eval.mteb ckpt=DUMP_DIR_OR_CHECKPOINT [benchmark="MTEB(eng, v2)"] [tasks=STS12,SciFact]
         [batch_size=32] [device=auto] [pooling=auto] [max_len=0] [out=DIR] [overwrite=false] [offline=DATA_DIR]
 
 Prints each task's main score, then the paper's table (one column per task type, Avg. = their mean, Overall = the
@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from apps.eval.glue import run_dump_dir
+from tools.eval.glue import run_dump_dir
 from lingua.args import UserError, at_least, command_line, load_config
 from lingua.checkpoint import Checkpoint
 from lingua.files import atomic_write

@@ -1,6 +1,6 @@
 """Offline embedding evaluation of any checkpoint, through `lingua.embed.load_embedder`:
 
-    python -m apps.eval.embeddings ckpt=DUMP_DIR_OR_CHECKPOINT [retrieval=BEIR_FOLDER] [sts=FOLDER]
+    python -m tools.eval.embeddings ckpt=DUMP_DIR_OR_CHECKPOINT [retrieval=BEIR_FOLDER] [sts=FOLDER]
         [sts_sets=STSBenchmark/test,SICK/test] [pooling=auto|mean] [max_len=0] [batch_size=32] [out=RESULTS.json]
 
 Retrieval: a BEIR-format folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv), dense search by cosine similarity,
@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from apps.eval.glue import run_dump_dir
+from tools.eval.glue import run_dump_dir
 from lingua.args import UserError, command_line, load_config
 from lingua.checkpoint import Checkpoint
 from lingua.embed import POOLINGS, load_embedder

@@ -1,6 +1,6 @@
 """Frozen GLUE evaluation of a checkpoint of any app (linear and kNN probes, paper section 4.1):
 
-    python -m apps.eval.glue ckpt=DUMP_DIR_OR_CHECKPOINT data=GLUE_DIR_OR_hf [tasks=sst2,cola] [probes=linear,knn]
+    python -m tools.eval.glue ckpt=DUMP_DIR_OR_CHECKPOINT data=GLUE_DIR_OR_hf [tasks=sst2,cola] [probes=linear,knn]
         [layers=last|all|0,3] [max_train=10000] [out=RESULTS_DIR_OR_JSON] [cache_dir=DIR] [device=auto]
 
 Prints the scores (one row per task, then the paper's table layout with the average) and writes results.json,

@@ -1,4 +1,4 @@
-"""The paper's published numbers (apps/paper.yaml, where their order is described), which the tables print beside
+"""The paper's published numbers (tools/paper.yaml, where their order is described), which the tables print beside
 ours: GLUE rows in lingua.eval.glue.TASKS order then the average, MTEB rows in lingua.eval.mteb.CATEGORIES order then
 Avg. and Overall."""
 
