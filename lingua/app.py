@@ -8,7 +8,7 @@ An app is a package `<name>/` (the shipped ones live in `apps/`) with
 - `configs/*.yaml` (`debug.yaml`, `single_scale.yaml` and `scaling_*.yaml` are found by the tools when present).
 The tools find an app by name: `bert` is `apps/bert`, any other importable package `toy` with a `toy/train.py`
 works the same (`tools.benchmark apps=toy`); every package of `apps/` with a train.py is registered
-(`registered_apps`), and the tests iterate over them. An app that trains on something other than packed text rows
+(`apps.registered_apps`), and the tests iterate over them. An app that trains on something other than packed text rows
 (contrastive triplets) gives its own `DataPipeline`; one that starts from another app's weights gives `load_init`
 (and `configure`, to take that run's shapes); one scored otherwise than by a loss on held-out rows gives `validate`
 (fine-tuning: dev-set metrics). The loop builds the model on the meta device, parallelises it,
@@ -18,7 +18,6 @@ several apps share lives in `lingua/` (e.g. `lingua/masking.py`).
 """
 
 import abc
-import pkgutil
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -178,14 +177,6 @@ def load_app(name: str) -> App:
             if e.name not in (module, module.rpartition(".")[0]):
                 raise  # the app exists but imports something missing
     raise UserError(f"unknown app '{name}' (an app is a package with a train.py defining APP, e.g. apps/{name}/)")
-
-
-def registered_apps() -> list[App]:
-    """Every app shipped in apps/: each package there with a train.py, in name order."""
-    import apps
-
-    return [load_app(info.name) for info in sorted(pkgutil.iter_modules(apps.__path__), key=lambda i: i.name)
-            if info.ispkg and (Path(info.module_finder.path) / info.name / "train.py").exists()]
 
 
 def app_variant(label: str, base: dict[str, Any]) -> tuple[App, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 from lingua.args import UserError, at_least, require
 from lingua.files import atomic_write, fsync_dir
 
-CODE_PACKAGES = ("lingua", "apps", "tools")  # copied whole (configs and data files too) into each submission's code/HASH
+CODE_PACKAGES = ("lingua", "apps", "tools")  # copied whole (configs, data files) into each submission's code/HASH
 CLUSTERS = ("slurm", "local")
 JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # submitit's job ids: SLURM's (JOB_TASK in an array), a local job's pid
 

@@ -118,9 +118,9 @@ class Commented:
 
 
 def test_help_prints_whole_comments_and_no_hash_inside_a_string():
+    from lingua.validation import ValidationArgs
     from tools.scaling import PlanArgs
     from tools.tables import TablesArgs
-    from lingua.validation import ValidationArgs
 
     assert "6 (BERT's masking ratio) or 7 (the pooler's warm start)" in config_help(TablesArgs)
     assert "highest so far are exported to DUMP_DIR/best.pt, their validation record to best.json" in \

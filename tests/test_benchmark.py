@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from tools import benchmark
 from apps.crossbert.model import CrossBertArgs, crossbert_flops_per_token_view
 from lingua.flops import encoder_flops_per_token
 from lingua.transformer import TransformerArgs
+from tools import benchmark
 
 DEBUG = benchmark.PRESETS["debug"]
 S, B, V = DEBUG["seq_len"], DEBUG["batch_size"], DEBUG["vocab_size"]

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from lingua.app import TEXT, build_model, load_app, registered_apps
+from apps import registered_apps
+from lingua.app import TEXT, build_model, load_app
 from lingua.args import load_config
 
 VOCAB = 64

@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from tools import diagnose
 from lingua.args import load_config
+from tools import diagnose
 
 
 def test_tasks_determine_each_token_from_another():

@@ -16,9 +16,10 @@ import pytest
 import torch
 from conftest import ENV, REPO, end, read_metrics, run_to_the_end, running, start, tagged_processes, tiny_argv
 
+from apps import registered_apps
 from apps.bert.train import APP as BERT
 from lingua import train as loop
-from lingua.app import TEXT, registered_apps
+from lingua.app import TEXT
 from lingua.args import load_config
 from lingua.checkpoint import CheckpointArgs, CheckpointManager, load_model
 from lingua.data import DataArgs, TrainLoader, repartition

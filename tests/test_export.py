@@ -14,7 +14,6 @@ import torch
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
-from tools.eval import glue as glue_command
 from lingua.args import UserError, load_config, to_dict
 from lingua.checkpoint import build_from_params, export_consolidated, load_model
 from lingua.embed import load_embedder
@@ -24,6 +23,7 @@ from lingua.tokenizer import R50K_FILENAME, default_tokenizer_dir
 from lingua.train import train
 from tests.conftest import run_to_the_end, tiny_argv, write_corpus
 from tests.test_contrastive import contrastive_argv, run_contrastive, write_triplets
+from tools.eval import glue as glue_command
 
 transformers = pytest.importorskip("transformers")
 

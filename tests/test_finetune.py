@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from apps.crossbert.train import APP as CROSSBERT
-from apps.finetune import sweep, table
 from apps.finetune import train as finetune
 from apps.finetune.data import GlueDataArgs, GlueLoader, decode_labels, label_codes
 from lingua.args import UserError, load_config
@@ -20,6 +19,7 @@ from lingua.eval.glue import TASKS
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.train import main, train
 from tests.conftest import REPO, kill_after_first_checkpoint_then_restart, read_metrics, run_to_the_end, tiny_argv
+from tools.finetune import sweep, table
 
 FIXTURES = Path(__file__).parent / "fixtures" / "glue"
 
@@ -265,7 +265,8 @@ def test_bad_inputs_are_one_line(pretrained, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("module, key", [("apps.finetune.train", "epochs: int = 3"),
-                                         ("apps.finetune.sweep", "mnli_from: str"), ("apps.finetune.table", "median")])
+                                         ("tools.finetune.sweep", "mnli_from: str"),
+                                         ("tools.finetune.table", "median")])
 def test_help(module, key):
     done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
                           timeout=60)

@@ -14,7 +14,6 @@ from apps.bert.model import BertArgs
 from apps.bert.train import BertTrainArgs
 from apps.crossbert.model import CrossBertArgs
 from apps.crossbert.train import CrossBertTrainArgs
-from tools.eval import glue as glue_command
 from lingua.args import UserError, to_dict
 from lingua.checkpoint import (
     CheckpointArgs,
@@ -26,6 +25,7 @@ from lingua.data import DataArgs
 from lingua.eval import features, glue
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.transformer import TransformerArgs
+from tools.eval import glue as glue_command
 
 FIXTURES = Path(__file__).parent / "fixtures" / "glue"
 REAL_GLUE = Path(__file__).parents[1] / ".." / "shared" / "data" / "glue"

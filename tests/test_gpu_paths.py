@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lingua.app import TEXT, build_model, load_app, registered_apps
+from apps import registered_apps
+from lingua.app import TEXT, build_model, load_app
 from lingua.args import load_config
 from lingua.masking import chunked_lm_loss, masked_lm_loss
 from lingua.optim import OptimArgs, build_optimizer

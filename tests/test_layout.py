@@ -69,8 +69,16 @@ def test_circles_are_found():
     assert circles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_circle_among_lingua_and_apps():
+def test_no_import_circle_among_lingua_apps_and_tools():
     graph = import_graph()
     assert {"lingua.stool", "lingua.pipeline", "lingua.launcher"} <= graph.keys()  # the files are found
     assert "lingua.launcher" in graph["lingua.pipeline"]  # and their imports, inside functions too
     assert circles(graph) == []
+
+
+def test_layers_import_downwards_only():
+    """lingua/ is the core, apps/ build on it, tools/ run over apps: no module imports a layer above its own."""
+    layer = {package: rank for rank, package in enumerate(PACKAGES)}
+    upward = sorted((module, target) for module, targets in import_graph().items() for target in targets
+                    if layer[target.split(".")[0]] > layer[module.split(".")[0]])
+    assert upward == []

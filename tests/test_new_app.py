@@ -11,12 +11,12 @@ import torch
 import transformers
 from conftest import read_metrics, write_corpus
 
-from tools import benchmark, scaling
-from tools.eval import glue as glue_command
 from lingua import export
 from lingua.app import load_app
 from lingua.checkpoint import load_model
 from lingua.train import main
+from tools import benchmark, scaling
+from tools.eval import glue as glue_command
 
 GLUE = Path(__file__).parent / "fixtures" / "glue"
 MODEL = '''

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lingua.app import TEXT, registered_apps
+from apps import registered_apps
+from lingua.app import TEXT
 from lingua.args import load_config
 from lingua.tokenizer import default_tokenizer_dir
 from lingua.train import train

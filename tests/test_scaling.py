@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import yaml
 
-from tools import scaling
 from lingua.scaling import PowerLaw, best_per_group, fit_power_law
+from tools import scaling
 
 # Appendix J: (FLOPs, dim, layers, steps, tokens (B), BSZ, GPUs, grad acc, LR)
 BERT_ROWS = [

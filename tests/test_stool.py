@@ -240,7 +240,7 @@ def test_run_takes_the_runs_base_config_as_config(tmp_path, corpus, capsys):
 def test_no_apps_config_key_is_taken_by_stool():
     """stool routes its own keys to itself and the rest to the run: a run's top-level key of the same name could
     never be set."""
-    from lingua.app import registered_apps
+    from apps import registered_apps
 
     own = {field.name for field in dataclasses.fields(LauncherArgs)}
     for app in registered_apps():

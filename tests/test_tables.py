@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from tools import paper, tables
 from lingua.eval.glue import TASKS
+from tools import paper, tables
 
 CATEGORIES = ("Classification", "Clustering", "PairClassification", "Reranking", "Retrieval", "STS",
               "Summarization")

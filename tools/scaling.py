@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import yaml
 
-from tools.eval.mteb import benchmark_of
-from lingua.app import App, load_app, registered_apps, short_name
+from apps import registered_apps
+from lingua.app import App, load_app, short_name
 from lingua.args import UserError, command_line, load_config, read_yaml, require
 from lingua.checkpoint import Checkpoint
 from lingua.files import atomic_write
@@ -47,6 +47,7 @@ from lingua.scaling import (
     optimal_flops_per_token,
     plan_batch,
 )
+from tools.eval.mteb import benchmark_of
 
 
 @dataclass

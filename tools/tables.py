@@ -7,7 +7,7 @@ It reads, for each variant V of the pipeline (DIR/pipeline.json), what its stage
   the median token-views/s per GPU: the paper's tps, CrossBERT with CMS counting each sequence's 2 views);
 - probes/results.json: the frozen GLUE probes (tools.eval.glue);
 - probes_layers/results.json: the frozen GLUE probes of every layer (tools.eval.glue layers=all), Table 1's rows;
-- finetune*/: the GLUE fine-tuning sweeps, each task at the learning rate chosen on dev (apps.finetune.table);
+- finetune*/: the GLUE fine-tuning sweeps, each task at the learning rate chosen on dev (tools.finetune.table);
 - mteb_*_frozen/ and mteb_*_full/results.json: MTEB after contrastive training over the frozen backbone or of the
   whole model (tools.eval.mteb), a section per benchmark.
 
@@ -25,14 +25,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools import paper
-from tools.eval.mteb import benchmark_of
-from apps.finetune.table import choose, metric_names, read_results
 from lingua.args import UserError, command_line, load_config
 from lingua.eval.glue import TASKS
 from lingua.eval.mteb import CATEGORIES
 from lingua.files import atomic_write
 from lingua.metrics import read_metrics
+from tools import paper
+from tools.eval.mteb import benchmark_of
+from tools.finetune.table import choose, metric_names, read_results
 
 SHORT = {"Classification": "Class.", "Clustering": "Clust.", "PairClassification": "PairClass.",
          "Reranking": "Rerank.", "Retrieval": "Retriev.", "STS": "STS", "Summarization": "Summ."}

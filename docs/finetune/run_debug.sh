@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 GLUE=${1:-../shared/data/glue}
 for app in bert crossbert electra; do
   python -m apps.$app.train config=apps/$app/configs/debug.yaml
-  python -m apps.finetune.sweep init_from=dump/${app}_debug dump_dir=dump/finetune_debug/$app data="$GLUE" \
+  python -m tools.finetune.sweep init_from=dump/${app}_debug dump_dir=dump/finetune_debug/$app data="$GLUE" \
     tasks=rte,sst2,mrpc,cola,stsb lrs=1e-4 seeds=0 epochs=1 run_config=apps/finetune/configs/debug.yaml cluster=local
 done
-python -m apps.finetune.table dump/finetune_debug
+python -m tools.finetune.table dump/finetune_debug

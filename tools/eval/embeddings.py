@@ -15,7 +15,6 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tools.eval.glue import run_dump_dir
 from lingua.args import UserError, command_line, load_config
 from lingua.checkpoint import Checkpoint
 from lingua.embed import POOLINGS, load_embedder
@@ -23,6 +22,7 @@ from lingua.eval.retrieval import evaluate_retrieval
 from lingua.eval.sts import evaluate_sts, find_sts_sets
 from lingua.files import atomic_write
 from lingua.metrics import setup_logging
+from tools.eval.glue import run_dump_dir
 
 
 @dataclass

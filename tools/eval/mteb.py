@@ -18,11 +18,11 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tools.eval.glue import run_dump_dir
 from lingua.args import UserError, at_least, command_line, load_config
 from lingua.checkpoint import Checkpoint
 from lingua.files import atomic_write
 from lingua.metrics import setup_logging
+from tools.eval.glue import run_dump_dir
 
 
 @dataclass

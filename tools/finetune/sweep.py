@@ -1,13 +1,13 @@
 """The GLUE fine-tuning grid of one pre-trained model (task x learning rate x seed), through stool:
 
-    python -m apps.finetune.sweep init_from=RUN dump_dir=SWEEP_DIR data=GLUE_DIR_OR_hf [tasks=rte,sst2]
+    python -m tools.finetune.sweep init_from=RUN dump_dir=SWEEP_DIR data=GLUE_DIR_OR_hf [tasks=rte,sst2]
         [lrs=1e-4,3e-5] [seeds=0,1,2] [epochs=3] [run_config=apps/finetune/configs/paper.yaml] [mnli_from=SWEEP_DIR]
         [run_overrides=KEY=VALUE,...] [cluster=slurm|local] [parallel=N] [gpus_per_node=1] [--dry-run] [any stool key]
 
 Writes SWEEP_DIR/sweep.yaml (one run per task, learning rate and seed: SWEEP_DIR/<task>_lr<LR>_seed<S>) and runs
 it with `python -m lingua.stool sweep` (on SLURM every run is its own job, so the tasks of a model train in
 parallel). `mnli_from=SWEEP_DIR` starts RTE, MRPC and STS-B from the best MNLI run of that sweep (the RoBERTa
-protocol); run the MNLI sweep first, and this one into another folder. Then `python -m apps.finetune.table DIR`
+protocol); run the MNLI sweep first, and this one into another folder. Then `python -m tools.finetune.table DIR`
 prints the table of every sweep below DIR.
 """
 
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import yaml
 
-from apps.finetune.table import choose, read_results
 from apps.finetune.train import FINETUNE
 from lingua import stool
 from lingua.args import UserError, command_line, load_config, parse_assignment
 from lingua.eval.glue import TASKS
 from lingua.files import atomic_write
 from lingua.launcher import split_arguments
+from tools.finetune.table import choose, read_results
 
 STARTED_FROM_MNLI = ("rte", "mrpc", "stsb")  # RoBERTa's and ModernBERT's protocol
 
@@ -65,7 +65,7 @@ def sweep_spec(args: SweepArgs) -> dict:
 
 
 def best_mnli_run(folder: Path) -> Path:
-    """best.pt of the MNLI run with the highest dev score at the learning rate chosen on dev (apps.finetune.table)."""
+    """best.pt of the MNLI run with the highest dev score at the learning rate chosen on dev (tools.finetune.table)."""
     finished, unfinished = read_results([folder])
     results = [r for r in finished if r.task == "mnli"]
     if any((yaml.safe_load((run / "config.yaml").read_text()) or {})["data"]["task"] == "mnli" for run in unfinished):

@@ -1,6 +1,6 @@
 """The GLUE fine-tuning results of one or more sweeps in the paper's Table 3 layout:
 
-    python -m apps.finetune.table SWEEP_DIR [SWEEP_DIR ...]
+    python -m tools.finetune.table SWEEP_DIR [SWEEP_DIR ...]
 
 Every finished fine-tuning run below the folders counts (its config.yaml, and best.json: the dev score of its best
 epoch). Runs are grouped by the pre-training checkpoint they descend from (through an MNLI start; `origin`, recorded
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import yaml
 
-from tools.eval.glue import run_dump_dir
-from tools.paper import GLUE_FINETUNE
 from lingua.app import load_app, short_name
 from lingua.args import UserError, command_line
 from lingua.checkpoint import Checkpoint
 from lingua.eval.glue import TASKS
 from lingua.files import atomic_write
+from tools.eval.glue import run_dump_dir
+from tools.paper import GLUE_FINETUNE
 
 
 @dataclass(frozen=True)
