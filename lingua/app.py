@@ -11,7 +11,10 @@ works the same (`tools.benchmark apps=toy`); every package of `apps/` with a tra
 (`apps.registered_apps`), and the tests iterate over them. An app that trains on something other than packed text rows
 (contrastive triplets) gives its own `DataPipeline`; one that starts from another app's weights gives `load_init`
 (and `configure`, to take that run's shapes); one scored otherwise than by a loss on held-out rows gives `validate`
-(fine-tuning: dev-set metrics). The loop builds the model on the meta device, parallelises it,
+(fine-tuning: dev-set metrics); one measured otherwise too during training (e.g. an STS score) gives `evaluations`.
+`configure` decides and reads no file: the loop reads, once, what the run starts from (lingua/resume.py `Start`:
+init_from opened, the resumed run's config, the data pipeline's `check`). The loop builds the model on the meta
+device, parallelises it,
 materialises it and calls `init_weights`; it owns the data, the optimizer, the schedule, checkpoints, logging and
 the random generator; the model owns its masking, its loss, its FLOPs and its shape. No app imports another: what
 several apps share lives in `lingua/` (e.g. `lingua/masking.py`).
@@ -117,9 +120,12 @@ class DataPipeline:
 
     build_loader: Callable  # (data args, tokenizer, rank, world_size, state or None) -> endless iterator of batches
     # with state_dict() (plain JSON: where the next batch starts), malformed_lines and close()
-    load_validation: Callable  # (data args, tokenizer, n_rows) -> fixed validation rows, the batch first
+    load_validation: Callable  # (data args, tokenizer, n_rows) -> fixed validation rows, the batch first (a tensor,
+    # or lingua.data.ValidationRows: rows of several sources)
     repartition: Callable  # (states saved by N ranks, world_size, data args) -> one state per new rank
     row_shape: Callable  # (data args) -> the shape of one row of a batch, e.g. (seq_len,)
+    check: Callable = lambda args: {}  # (data args as given) -> facts `configure` decides from, e.g. {"train_rows":
+    # N}; reads the data at the start, so that bad data stops the run before anything is written
 
 
 TEXT = DataPipeline(build_train_loader, load_validation, repartition, lambda args: (args.seq_len,))
@@ -131,11 +137,14 @@ class App:
     args_cls: type  # a TrainArgs subclass with a `model` field
     build_model: Callable[[Any, Any], AppModel]  # (model args, tokenizer) -> model, called on the meta device
     data: DataPipeline = TEXT  # packed rows of the text corpus (lingua/data.py)
-    configure: Callable[[Any], Any] | None = None  # the config adjusted before the run (e.g. from init_from)
+    configure: Callable[[Any, Any], Any] | None = None  # (config, lingua.resume.Start) -> the config the run trains
+    # with (e.g. init_from's shapes); it decides from what it is given and reads no file
     load_init: Callable[[Any, Any], dict] | None = None  # (init_from's Checkpoint, model) -> the config it was
     # trained with; default: the checkpoint's weights into the model as it is (Checkpoint.load_into)
-    validate: Callable | None = None  # (model, validation rows, config, device, Launch) -> {"val/...": value},
-    # equal on every rank: the app's own validation, in place of the loss on the validation rows
+    validate: Callable | None = None  # (model, validation rows, ValidationArgs, data args, device, Launch) ->
+    # {"val/...": value}, equal on every rank: the app's own validation, in place of the loss on the validation rows
+    evaluations: Callable | None = None  # (lingua.validation.EvalContext) -> more evaluations the loop runs during
+    # training, after the validation and the GLUE probes (lingua.validation.Evaluation: name, due(step), run(step))
     parallelize: Callable | None = None  # (model, DistributedArgs, Launch, device): the app's own parallelism
     # plan; default: activation checkpointing, compile and FSDP2 per sharding unit (lingua/parallel.py)
     scaling: ScalingLaws | None = None  # its batch-size and learning-rate laws, for `tools.scaling plan`

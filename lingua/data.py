@@ -458,14 +458,22 @@ def _split_segments(segments: list[list], n: int) -> list[list[list]]:
     return pieces + [[] for _ in range(n - len(pieces))]
 
 
-def load_validation(args: DataArgs, tokenizer, n_sequences: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
+@dataclass(frozen=True)
+class ValidationRows:
+    """Fixed validation rows, the batch first, and how many come from each source ({source: rows}, in row order;
+    empty when the rows are of one kind), from which lingua.validation reports each source's loss."""
+
+    tokens: torch.Tensor
+    source_rows: dict[str, int] = field(default_factory=dict)
+
+
+def load_validation(args: DataArgs, tokenizer, n_sequences: int, rank: int = 0, world_size: int = 1) -> ValidationRows:
     """Fixed validation rows [n_sequences, seq_len] from each source's valid.jsonl, packed like training rows.
 
     Sources (sorted by name) get n_sequences * weight rows (largest remainder); a source's rows are packed from its
     own file from the start, and rank r takes rows [r*k, (r+1)*k) of them, so ranks are disjoint. Too little text
     raises UserError rather than returning fewer rows: a silently smaller set would make losses incomparable. The
-    rows come source after source; `source_rows` on the tensor says how many each has ({source: rows}, in row order),
-    from which lingua.validation reports each source's loss.
+    rows come source after source, counted per source in `source_rows`.
     """
     _check_args(args)
     rows, source_rows = [], {}
@@ -485,9 +493,7 @@ def load_validation(args: DataArgs, tokenizer, n_sequences: int, rank: int = 0, 
             logger.warning(skipped.warning(path, "malformed lines"))
         mine = tokens[rank * k * args.seq_len : (rank + 1) * k * args.seq_len]
         rows.append(torch.tensor(mine, dtype=torch.long).view(k, args.seq_len))
-    validation = torch.cat(rows)
-    validation.source_rows = source_rows
-    return validation
+    return ValidationRows(torch.cat(rows), source_rows)
 
 
 def _split_by_weight(n: int, weights: dict[str, float]) -> dict[str, int]:

@@ -168,17 +168,17 @@ class Throughput:
     """Tokens per second and MFU of all ranks together over the steps since the last report, and the share of this
     rank's time spent waiting for its data loader."""
 
-    def __init__(self, model, args, row_tokens: int, world_size: int, device: torch.device):
-        """`args`: the run's config (TrainArgs)."""
+    def __init__(self, model, rows_per_rank: int, row_tokens: int, seq_len: int, world_size: int, peak: float | None):
+        """`rows_per_rank`: data rows of one step on one rank (micro-batches included); `seq_len`: the length the
+        FLOPs are counted at; `peak`: one device's peak FLOP/s (`peak_flops`), None: no MFU."""
         self.world_size = world_size
-        rows = args.data.batch_size * args.grad_acc_steps * world_size
+        rows = rows_per_rank * world_size
         self.per_step = {
             "data_tokens": rows * row_tokens,
             "token_views": rows * row_tokens * model.views_per_sequence,
         }
-        self.flops_per_view = model.flops_per_token_view(args.data.seq_len)  # the paper's count (no output head)
-        self.flops_per_view_with_head = self.flops_per_view + model.head_flops_per_token_view(args.data.seq_len)
-        peak = peak_flops(args.logging, device)
+        self.flops_per_view = model.flops_per_token_view(seq_len)  # the paper's count (no output head)
+        self.flops_per_view_with_head = self.flops_per_view + model.head_flops_per_token_view(seq_len)
         self.peak = peak * world_size if peak else None
         self.start, self.steps, self.predicted, self.waited = time.perf_counter(), 0, 0, 0.0
 

@@ -5,7 +5,6 @@ own pooler) of the config's shape. The app's model holds the backbone as `encode
 `AttentionPooler` or None), its args `encoder` (TransformerArgs) and `pooler` (PoolerArgs)."""
 
 from dataclasses import replace
-from pathlib import Path
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -17,15 +16,13 @@ from lingua.transformer import TransformerArgs, head_dim_of
 RUNTIME_KEYS = ("attn_backend", "head_chunk")  # the encoder's settings that are this run's choice, not the model's
 
 
-def adopt_pretrained(args, attention_pooler: bool):
-    """With init_from, the config with the pre-trained run's encoder shape and tokenizer. The attention pooler keeps
-    the config's shape (`model.pooler`, the same for every app compared); when it warm-starts (`attention_pooler`
-    and a source that offers one), what starts it must have that shape."""
-    if not args.init_from:
+def adopt_pretrained(args, checkpoint: Checkpoint | None, attention_pooler: bool):
+    """With init_from (`checkpoint`, opened: lingua/resume.py Start), the config with the pre-trained run's encoder
+    shape and tokenizer. The attention pooler keeps the config's shape (`model.pooler`, the same for every app
+    compared); when it warm-starts (`attention_pooler` and a source that offers one), what starts it must have that
+    shape."""
+    if checkpoint is None:
         return args
-    if not Path(args.init_from).exists():
-        raise UserError(f"init_from not found: {args.init_from} (the pre-trained run this run starts from)")
-    checkpoint = Checkpoint.open(args.init_from)
     source = checkpoint.config
     encoder = {k: v for k, v in source["model"]["encoder"].items() if k not in RUNTIME_KEYS}
     model = replace(args.model, encoder=replace(args.model.encoder, **encoder))

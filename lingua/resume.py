@@ -1,17 +1,53 @@
-"""The resume policy: which checkpoint a run in an existing dump_dir continues from, what is refused (another app,
-another architecture) and what is only reported (changed settings)."""
+"""What a run starts from (`Start`: read once, before its config is decided) and the resume policy: which checkpoint
+a run in an existing dump_dir continues from, what is refused (another app, another architecture) and what is only
+reported (changed settings)."""
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lingua.app import App
 from lingua.args import UserError, config_changes, to_dict
-from lingua.checkpoint import Checkpoint, CheckpointManager, DamagedCheckpoint
+from lingua.checkpoint import Checkpoint, CheckpointArgs, CheckpointManager, DamagedCheckpoint, verify
 from lingua.distributed import Launch, agreed_failure, barrier, broadcast_object, on_every_rank
 from lingua.optim import lr_at
 from lingua.transformer import architecture_fields
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a run starts from, read once by the loop before the app's `configure` decides the config from it."""
+
+    init_from: Checkpoint | None = None  # init_from opened: its config and shapes (its weights load into the model
+    # later, through this same object)
+    resumed: dict | None = None  # the config of the run in dump_dir, when it resumes (its newest checkpoint's)
+    world_size: int = 1  # processes of this launch
+    data: dict = field(default_factory=dict)  # what the data pipeline's `check` reports, e.g. {"train_rows": N}
+
+
+def open_start(app: App, args, world_size: int) -> Start:
+    """init_from opened, the resumed run's config and the data's facts; a UserError for a bad init_from or bad
+    data, before anything is written."""
+    init_from = None
+    if args.init_from:
+        try:
+            init_from = Checkpoint.open(args.init_from)
+        except UserError as e:
+            raise UserError(f"init_from: {e}") from None
+    return Start(init_from, resumed_config(Path(args.dump_dir)), world_size, app.data.check(args.data))
+
+
+def resumed_config(dump_dir: Path) -> dict | None:
+    """The config of the newest checkpoint in dump_dir whose files are all there (its params.json: no tensor, no
+    pickle is read); None for a new run."""
+    for path in reversed(CheckpointManager(dump_dir / "checkpoints", CheckpointArgs()).complete_checkpoints()):
+        try:
+            return verify(path)["config"]
+        except DamagedCheckpoint:
+            continue  # resume() sets it aside and tries the one before it
+    return None
 
 
 def resume(checkpoints: CheckpointManager, model, optimizer, app: App, args, launch: Launch) -> dict | None:

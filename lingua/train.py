@@ -19,7 +19,6 @@ job is requeued and resumes by itself.
 """
 
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from lingua.app import App, build_model
 from lingua.args import UserError, at_least, command_line, dump_config, load_config, require, to_dict
-from lingua.checkpoint import Checkpoint, CheckpointArgs, CheckpointManager, export_consolidated
+from lingua.checkpoint import CheckpointArgs, CheckpointManager, export_consolidated
 from lingua.data import DataArgs, ReadAhead
 from lingua.distributed import (
     DistributedArgs,
@@ -49,7 +48,7 @@ from lingua.distributed import (
     resolve_device,
 )
 from lingua.divergence import Diverged, NonFiniteGuard
-from lingua.eval.glue import GlueEvalArgs, check_args
+from lingua.eval.glue import GlueEvalArgs
 from lingua.files import atomic_write, remove_partial_writes
 from lingua.flops import count_params
 from lingua.lifecycle import RunLock, StopSignal, agree, requeue_slurm_job, stop_signals_held_for_the_main_thread
@@ -59,15 +58,16 @@ from lingua.metrics import (
     Throughput,
     Window,
     format_progress,
+    peak_flops,
     peak_memory_gib,
     reduce_over_ranks,
     setup_logging,
 )
 from lingua.optim import OptimArgs, build_optimizer, lr_at, set_lr
-from lingua.resume import architecture_changes, resume
+from lingua.resume import Start, architecture_changes, open_start, resume
 from lingua.step import training_step
 from lingua.tokenizer import build_tokenizer
-from lingua.validation import Evaluator, ValidationArgs, check_validation_split
+from lingua.validation import EvalContext, ValidationArgs, build_evaluations, check_evaluations
 
 logger = logging.getLogger(__name__)
 
@@ -138,11 +138,11 @@ def train(app: App, args) -> dict[str, Any]:
     """Trains, or resumes, the run in args.dump_dir, in this process and the others of its launch. The dump_dir is
     locked for the run; nothing in it is written before the start has succeeded (config checked, checkpoint
     loaded, data found)."""
-    args = resolve_config(app, args)
     launch = detect_launch()
+    start = open_start(app, args, launch.world_size)
+    args = resolve_config(app, args, start)
     device = resolve_device(args.device, launch.local_rank)
-    if args.validation.every > 0 and app.validate is None:
-        check_validation_split(args.validation, launch.world_size)
+    check_evaluations(app, args, launch.world_size)
     with stop_signals_held_for_the_main_thread(args.distributed.stop_signal):
         init_process_group(launch, device, args.distributed.timeout_minutes)
         activity = Activity("the start-up")
@@ -151,7 +151,7 @@ def train(app: App, args) -> dict[str, Any]:
             on_all_ranks(lambda: _make_folder(dump_dir))
             with RunLock(dump_dir):
                 setup_logging(dump_dir / "train.log", launch.rank)
-                return Trainer(app, args, dump_dir, device, launch, activity).fit()
+                return Trainer(app, args, start, dump_dir, device, launch, activity).fit()
         except RuntimeError as e:
             kind = collective_failure(e)
             if kind is None:
@@ -161,18 +161,14 @@ def train(app: App, args) -> dict[str, Any]:
             destroy_process_group()
 
 
-def resolve_config(app: App, args):
-    """The run's config as it trains: the app's adjustments (e.g. the shapes of the run it starts from) and the
-    probes' text length; checked before anything starts. The caller's config is left as it is."""
+def resolve_config(app: App, args, start: Start):
+    """The run's config as it trains: the app's decisions from what the run starts from (e.g. the shapes of
+    init_from), checked before anything starts. The caller's config is left as it is."""
     if app.configure is not None:
-        args = app.configure(args)
+        args = app.configure(args, start)
     if args.data.seq_len > args.model.encoder.max_seqlen:
         raise UserError(f"data.seq_len ({args.data.seq_len}) exceeds model.encoder.max_seqlen "
                         f"({args.model.encoder.max_seqlen}), the length of the position table")
-    if args.eval.every > 0:
-        check_args(args.eval)  # a bad GLUE path fails now, not at the first evaluation
-        max_len = min(args.eval.max_len or args.data.seq_len, args.model.encoder.max_seqlen)
-        args = dataclasses.replace(args, eval=dataclasses.replace(args.eval, max_len=max_len))
     return args
 
 
@@ -188,9 +184,10 @@ def _make_folder(folder: Path) -> None:
 class Trainer:
     """One run on this rank: set up on construction (model, optimizer, resume, data, evaluation), trained by `fit`."""
 
-    def __init__(self, app: App, args, dump_dir: Path, device: torch.device, launch: Launch, activity: Activity):
-        self.app, self.args, self.dump_dir, self.device, self.launch, self.activity = \
-            app, args, dump_dir, device, launch, activity
+    def __init__(self, app: App, args, start: Start, dump_dir: Path, device: torch.device, launch: Launch,
+                 activity: Activity):
+        self.app, self.args, self.start, self.dump_dir, self.device, self.launch, self.activity = \
+            app, args, start, dump_dir, device, launch, activity
         self.tokenizer = build_tokenizer(args.data.tokenizer)
         self.model = build_model(app.build_model, args.model, self.tokenizer, device, args.seed,
                                  (args.distributed, launch), plan=app.parallelize)
@@ -205,13 +202,12 @@ class Trainer:
                 logger.info(f"removed {partial.name}, left by a process killed while writing it")
         self.generator = torch.Generator(device).manual_seed(args.seed + launch.rank)  # the masking's draws
         self.state = self._start_state()
-        self.val_tokens = None
-        if args.validation.every > 0:
-            self.val_tokens = on_every_rank(lambda: app.data.load_validation(args.data, self.tokenizer,
-                                                                             args.validation.n_sequences))
-        self.throughput = Throughput(self.model, args, math.prod(app.data.row_shape(args.data)), launch.world_size,
-                                     device)
+        self.throughput = Throughput(self.model, args.data.batch_size * args.grad_acc_steps,
+                                     math.prod(app.data.row_shape(args.data)), args.data.seq_len, launch.world_size,
+                                     peak_flops(args.logging, device))
         self.guard, self.window = NonFiniteGuard(device, self.checkpoints), Window()
+        self.evaluations = build_evaluations(app, EvalContext(self.model, self.tokenizer, args, device, launch,
+                                                              self.guard))
         logger.info(
             f"{app.name}: {count_params(self.model):,} parameters ({count_params(self.model, embeddings=False):,} "
             f"outside the embedding) on {launch.world_size} process(es) ({launch.source}, {device.type}"
@@ -228,18 +224,17 @@ class Trainer:
             if state.generator is not None:
                 self.generator.set_state(torch.tensor(state.generator, dtype=torch.uint8))
             return state
-        if args.init_from:
-            changed = architecture_changes(self._load_init(args.init_from), args)
+        if self.start.init_from is not None:
+            changed = architecture_changes(self._load_init(self.start.init_from), args)
             if changed:
                 raise UserError(f"init_from {args.init_from} is a model of another architecture ({', '.join(changed)})")
             logger.info(f"initialised the model from {args.init_from} (weights only: step, optimizer and data start "
                         "afresh)")
         return TrainState()
 
-    def _load_init(self, path: str) -> dict:
+    def _load_init(self, checkpoint) -> dict:
         """init_from's weights into the model (the app's way, when it has one); the config they were trained with."""
         try:
-            checkpoint = Checkpoint.open(path)
             if self.app.load_init is not None:
                 return self.app.load_init(checkpoint, self.model)
             checkpoint.load_into(self.model)
@@ -262,15 +257,11 @@ class Trainer:
         ):
             if self.launch.rank == 0 and step < args.steps:
                 dump_config(args, self.dump_dir / "config.yaml")  # the start has succeeded: the run's config now
-            app_validate = None if self.app.validate is None else functools.partial(
-                self.app.validate, self.model, self.val_tokens, args, self.device, self.launch)
-            evaluator = Evaluator(self.model, self.tokenizer, self.val_tokens, args.validation, args.eval, args.steps,
-                                  self.device, self.launch, metrics, self.guard, app_validate)
             activity.now = f"the agreement before step {step + 1}"
             stopping = step < args.steps and agree(stop, loader.prepare(args.grad_acc_steps))
             if state.evaluation_skipped and not stopping:  # the stop that saved this checkpoint skipped it
                 activity.now = f"the evaluation at step {step}"
-                self._evaluate(evaluator, step)
+                self._evaluate(step, metrics)
             while step < args.steps and not stopping:
                 activity.now = f"step {step + 1}"
                 lr = lr_at(step, args.optim, args.steps)
@@ -294,7 +285,7 @@ class Trainer:
                 pause = time.perf_counter()
                 if not stopping:  # on a stop signal, save at once: the job may have little time left
                     activity.now = f"the evaluation at step {step}"
-                    self._evaluate(evaluator, step)
+                    self._evaluate(step, metrics)
                 if step % args.checkpoint.every == 0 or step == args.steps or stopping:
                     activity.now = f"saving checkpoint {step}"
                     self._save(step, loader, bool(stopping))
@@ -324,14 +315,23 @@ class Trainer:
         logger.info(format_progress(record, self.args.steps))
         self.last = record
 
-    def _evaluate(self, evaluator: Evaluator, step: int) -> None:
-        """The step's evaluation; a new best of validation.keep_best exports its weights (the same record on every
-        rank: validation results are reduced)."""
-        record, key = evaluator.run(step), self.args.validation.keep_best
-        if record is None or not key:
-            return
+    def _evaluate(self, step: int, metrics: MetricLogger) -> None:
+        """The evaluations due at this step, on finite weights only, each logged; a new best of an evaluation's
+        keep_best metric exports its weights (the same record on every rank: evaluations are reduced)."""
+        due = [evaluation for evaluation in self.evaluations if evaluation.due(step)]
+        if due:
+            self.guard.check()
+        for evaluation in due:
+            record = {"step": step, **evaluation.run(step)}
+            metrics.log(record)
+            logger.info(f"step {step} | " + " | ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "step"))
+            if evaluation.keep_best:
+                self._keep_best(evaluation, record)
+
+    def _keep_best(self, evaluation, record: dict) -> None:
+        key = evaluation.keep_best
         if key not in record:
-            raise UserError(f"validation.keep_best: the validation has no metric {key!r} (it logs "
+            raise UserError(f"{evaluation.name}.keep_best: the {evaluation.name} has no metric {key!r} (it logs "
                             f"{', '.join(k for k in record if k != 'step')})")
         if self.state.best is None or record[key] > self.state.best[key]:
             self.state.best = record

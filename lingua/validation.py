@@ -1,22 +1,24 @@
-"""What the training loop measures besides the training loss: the loss on fixed held-out sequences (or an app's
-own validation, e.g. a fine-tuned model's dev-set scores), and the frozen GLUE probes, each at its interval."""
+"""What the training loop measures besides the training loss: evaluations, each at its interval. The loop runs a list
+of them (`build_evaluations`): the validation (the loss on fixed held-out sequences, or an app's own, e.g. a
+fine-tuned model's dev-set scores), the frozen GLUE probes (the config's `eval` section) and whatever the app adds
+(`App.evaluations`)."""
 
+import functools
 import itertools
-import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
 
+from lingua.app import App
 from lingua.args import UserError, at_least
-from lingua.distributed import Launch, all_reduce
+from lingua.data import ValidationRows
+from lingua.distributed import Launch, all_reduce, on_every_rank
 from lingua.divergence import NonFiniteGuard
-from lingua.eval.glue import GlueEvalArgs, run_glue_probes
-from lingua.metrics import MetricLogger
+from lingua.eval.glue import GlueEvalArgs, SkippedLinesReport, check_args, probe_length, run_glue_probes
 from lingua.parallel import autocast
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,14 +36,14 @@ class ValidationArgs:
 
 
 @torch.no_grad()
-def validate(model, tokens: torch.Tensor, args: ValidationArgs, device: torch.device, launch: Launch) -> dict:
+def validate(model, rows: ValidationRows, args: ValidationArgs, device: torch.device, launch: Launch) -> dict:
     """Loss and accuracy on fixed sequences with a fixed masking seed: comparable across steps, runs and world sizes.
     Every rank draws the masks of each whole chunk and evaluates its own rows of it; the sums are reduced. Rows from
-    several sources (`tokens.source_rows`, lingua.data.load_validation's {source: rows}) also give each source's
-    loss, val/loss/SOURCE: a rank evaluates its rows of a chunk source by source, masked as the whole chunk."""
+    several sources (`rows.source_rows`) also give each source's loss, val/loss/SOURCE: a rank evaluates its rows of
+    a chunk source by source, masked as the whole chunk."""
     model.eval()
     generator = torch.Generator(device).manual_seed(args.seed)
-    sources = getattr(tokens, "source_rows", None) or {}
+    tokens, sources = rows.tokens, rows.source_rows
     ends = list(itertools.accumulate(sources.values())) if len(sources) > 1 else [len(tokens)]
     totals: dict[str, torch.Tensor] = {}
     by_source = torch.zeros(len(ends), device=device)
@@ -87,40 +89,97 @@ def check_validation_split(args: ValidationArgs, world_size: int) -> None:
                         f"leave a chunk of fewer rows than the {world_size} processes: use multiples of {world_size}")
 
 
-@dataclass
-class Evaluator:
-    """The validation (`validation.every`, and at the last step: the loss on the validation rows, or the app's own
-    `validate()`) and the frozen GLUE probes (`eval.every`) of the model being trained, on finite weights only.
-    Every rank takes part (a sharded model computes with all of them); rank 0 logs."""
+class Evaluation(Protocol):
+    """One evaluation of the model being trained, run by the loop when it is `due`: on finite weights only, by every
+    rank at the same steps (a sharded model computes with all of them); its scores are logged to metrics.jsonl with
+    the step, and must be the same on every rank (reduced)."""
 
-    model: torch.nn.Module
-    tokenizer: object
-    val_tokens: torch.Tensor | None  # every rank holds all rows; `validate` splits each chunk over the ranks
-    validation: ValidationArgs
-    probes: GlueEvalArgs
-    last_step: int
+    name: str  # what it is called in logs and errors; with keep_best, the config section of that key
+    keep_best: str  # a metric of its scores, higher is better, whose best weights are kept (best.pt; one evaluation
+    # of a run at most); "": none
+
+    def due(self, step: int) -> bool: ...
+
+    def run(self, step: int) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class EvalContext:
+    """What evaluations during training are built from."""
+
+    model: torch.nn.Module  # the model being trained
+    tokenizer: Any
+    config: Any  # the run's config (TrainArgs) as it trains
     device: torch.device
     launch: Launch
-    metrics: MetricLogger
-    guard: NonFiniteGuard
-    app_validate: Callable[[], dict[str, float]] | None = None  # the app's own validation, reduced over the ranks
+    guard: NonFiniteGuard  # stops the run on a non-finite score (`guard.stop`)
 
-    def run(self, step: int) -> dict | None:
-        """Validates and probes when `step` asks for it; returns the validation record, if there was one."""
-        validating = self.val_tokens is not None and (step % self.validation.every == 0 or step == self.last_step)
-        probing = self.probes.every > 0 and step % self.probes.every == 0
-        if validating or probing:
-            self.guard.check()
-        if validating:
-            scores = (self.app_validate() if self.app_validate is not None else
-                      validate(self.model, self.val_tokens, self.validation, self.device, self.launch))
-            record = {"step": step, **scores}
-            if not math.isfinite(record["val/loss"]):
-                self.guard.stop(f"the validation loss is {record['val/loss']} at step {step}")
-            self.metrics.log(record)
-            logger.info(f"step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
-        if probing:
-            scores = run_glue_probes(self.model, self.tokenizer, self.probes, self.device)
-            self.metrics.log({"step": step, **scores})
-            logger.info(f"step {step} | " + " | ".join(f"{k} {v:.1f}" for k, v in scores.items()))
-        return record if validating else None
+
+def build_evaluations(app: App, context: EvalContext) -> list[Evaluation]:
+    """The evaluations the loop runs, in order: the validation (`validation.every`), the GLUE probes (`eval.every`),
+    then the app's own (`App.evaluations`). The validation's rows are read here, at the start."""
+    config, evaluations = context.config, []
+    if config.validation.every > 0:
+        evaluations.append(Validation(app, context))
+    if config.eval.every > 0:
+        evaluations.append(GlueProbes(context.model, context.tokenizer, config.eval, config.data.seq_len,
+                                      context.device))
+    evaluations += app.evaluations(context) if app.evaluations is not None else []
+    keeping = [evaluation.name for evaluation in evaluations if evaluation.keep_best]
+    if len(keeping) > 1:
+        raise UserError(f"one evaluation keeps the best weights (best.pt), not {len(keeping)}: {', '.join(keeping)}")
+    return evaluations
+
+
+def check_evaluations(app: App, config, world_size: int) -> None:
+    """What would stop an evaluation later, checked before the run starts (a bad GLUE path fails now, not at the
+    first evaluation)."""
+    if config.validation.every > 0 and app.validate is None:
+        check_validation_split(config.validation, world_size)
+    if config.eval.every > 0:
+        check_args(config.eval)
+
+
+class Validation:
+    """The loss on the validation rows (or the app's own `validate()`) every `validation.every` steps and at the last
+    one; a non-finite loss stops the run."""
+
+    name = "validation"
+
+    def __init__(self, app: App, context: EvalContext):
+        config, model = context.config, context.model
+        self.every, self.last_step, self.keep_best = config.validation.every, config.steps, config.validation.keep_best
+        self.guard = context.guard
+        rows = on_every_rank(lambda: app.data.load_validation(config.data, context.tokenizer,
+                                                              config.validation.n_sequences))
+        self.score: Callable[[], dict[str, float]] = (
+            functools.partial(app.validate, model, rows, config.validation, config.data, context.device, context.launch)
+            if app.validate is not None else
+            functools.partial(validate, model, rows if isinstance(rows, ValidationRows) else ValidationRows(rows),
+                              config.validation, context.device, context.launch))
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.last_step
+
+    def run(self, step: int) -> dict[str, float]:
+        scores = self.score()
+        if not math.isfinite(scores["val/loss"]):
+            self.guard.stop(f"the validation loss is {scores['val/loss']} at step {step}")
+        return scores
+
+
+class GlueProbes:
+    """The frozen GLUE probes (lingua/eval/glue.py) every `eval.every` steps, on texts of at most the training length;
+    each file's malformed lines are reported once in the run."""
+
+    name, keep_best = "eval", ""
+
+    def __init__(self, model, tokenizer, args: GlueEvalArgs, seq_len: int, device: torch.device):
+        self.model, self.tokenizer, self.device, self.report = model, tokenizer, device, SkippedLinesReport()
+        self.args = replace(args, max_len=probe_length(args, seq_len, model.backbone.args.max_seqlen))
+
+    def due(self, step: int) -> bool:
+        return step % self.args.every == 0
+
+    def run(self, step: int) -> dict[str, float]:
+        return run_glue_probes(self.model, self.tokenizer, self.args, self.device, self.report)

@@ -211,12 +211,12 @@ def test_validation_is_fixed_weighted_and_rank_disjoint(tmp_path):
     write_source(tmp_path, "a", [["x"]], valid=texts(30, "va"))
     write_source(tmp_path, "b", [["x"]], valid=texts(30, "vb"))
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 3.0, "b": 1.0}, seq_len=8)
-    val = load_validation(args, TOK, 4)
-    assert val.shape == (4, 8) and torch.equal(val, load_validation(args, TOK, 4))
+    val = load_validation(args, TOK, 4).tokens
+    assert val.shape == (4, 8) and torch.equal(val, load_validation(args, TOK, 4).tokens)
     a_stream = [t for d in texts(30, "va") for t in [BOS, *d.encode(), EOS]]
     assert val[:3].flatten().tolist() == a_stream[:24]  # 3 rows from a, 1 from b
     assert val[3, 0] == BOS and bytes(val[3, 1:3].tolist()) == b"vb"
-    ranks = [load_validation(args, TOK, 4, rank=r, world_size=2) for r in range(2)]
+    ranks = [load_validation(args, TOK, 4, rank=r, world_size=2).tokens for r in range(2)]
     assert torch.equal(ranks[0], val)
     assert ranks[1][:3].flatten().tolist() == a_stream[24:48]
     with pytest.raises(UserError, match="valid.jsonl"):

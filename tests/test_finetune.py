@@ -16,6 +16,7 @@ from apps.finetune.data import GlueDataArgs, GlueLoader, decode_labels, label_co
 from lingua.args import UserError, load_config
 from lingua.checkpoint import Checkpoint, load_model
 from lingua.eval.glue import TASKS
+from lingua.resume import open_start
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.train import main, train
 from tests.conftest import REPO, kill_after_first_checkpoint_then_restart, read_metrics, run_to_the_end, tiny_argv
@@ -277,7 +278,8 @@ def test_a_resume_on_another_number_of_processes_is_refused(pretrained, tmp_path
     argv = finetune_argv(tmp_path / "run", pretrained, "rte", "epochs=1")
     run_finetune(argv)
     with pytest.raises(UserError, match="started with 4 steps an epoch, here 2: resume it on as many processes"):
-        finetune.APP.configure(load_config(finetune.APP.args_cls, argv + ["data.batch_size=8"]))  # as 2 of 4
+        args = load_config(finetune.APP.args_cls, argv + ["data.batch_size=8"])  # as 2 of 4
+        finetune.APP.configure(args, open_start(finetune.APP, args, 1))
 
 
 # ------------------------------------------------------------------------------------------- sweep and table

@@ -120,8 +120,9 @@ def test_bad_rows_of_a_tsv_are_skipped_counted_and_reported_once(tmp_path, caplo
     long_sentence = "a long review " + "x" * 200_000  # past csv's 128 KB field size limit
     path = _sst2_train(tmp_path, [b"caf\xe9 au lait\t1\n", f"{long_sentence}\t0\n".encode()])
     with caplog.at_level(logging.WARNING):
-        split = glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path))
-        again = glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path))  # the next evaluation of a training run
+        report = glue.SkippedLinesReport()  # a training run's probes keep one
+        split = glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path), report=report)
+        again = glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path), report=report)  # the next evaluation
     assert (split.skipped, split.first_skipped, len(split.texts)) == (1, "line 4", 17)
     assert split.texts[2] == (long_sentence,) and split.labels[2] == 0 and again.texts == split.texts
     assert [r.getMessage() for r in caplog.records] == [f"SST2 train: {path}: skipped 1 malformed lines "

@@ -16,6 +16,7 @@ from conftest import kill_after_first_checkpoint_then_restart, read_metrics, tin
 from apps.bert.train import APP
 from lingua.args import load_config
 from lingua.checkpoint import load_model
+from lingua.data import ValidationRows
 from lingua.distributed import Launch
 from lingua.parallel import parallelize
 from lingua.train import train
@@ -192,12 +193,11 @@ class RowMean(torch.nn.Module):
 
 
 def test_each_sources_validation_loss_is_the_same_over_any_number_of_ranks():
-    tokens = torch.arange(8).repeat_interleave(4).view(8, 4)  # row i holds i
-    tokens.source_rows = {"a": 5, "b": 3}
+    tokens = ValidationRows(torch.arange(8).repeat_interleave(4).view(8, 4), {"a": 5, "b": 3})  # row i holds i
     args = ValidationArgs(batch_size=4)
     whole = validate(RowMean(), tokens, args, torch.device("cpu"), Launch())
     assert whole == pytest.approx({"val/loss": 3.5, "val/accuracy": 3.5, "val/loss/a": 2.0, "val/loss/b": 6.0})
     ranks = [validate(RowMean(), tokens, args, torch.device("cpu"), Launch(rank=r, world_size=2)) for r in (0, 1)]
     assert {key: ranks[0][key] + ranks[1][key] for key in whole} == pytest.approx(whole)  # what all_reduce sums
-    del tokens.source_rows  # one source: the mix alone, as before
+    tokens = ValidationRows(tokens.tokens)  # one source: the mix alone, as before
     assert validate(RowMean(), tokens, args, torch.device("cpu"), Launch()) == {"val/loss": 3.5, "val/accuracy": 3.5}

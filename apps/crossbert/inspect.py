@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         model, config, tokenizer = load_model(args.ckpt)
         if not hasattr(model, "predictor"):
             raise UserError(f"{args.ckpt} is not a CrossBERT checkpoint (its model has no predictor)")
-        tokens = load_validation(config.data, tokenizer, args.n_sequences)
+        tokens = load_validation(config.data, tokenizer, args.n_sequences).tokens
         print(report(inspect(model, tokens, args.seed), tokenizer, model.predictor.args.n_heads))
 
 

@@ -123,9 +123,16 @@ class GlueLoader:
         pass
 
 
-def steps_per_epoch(args: GlueDataArgs, world_size: int) -> int:
-    """Optimizer steps in one pass over the train split (its last, incomplete global batch dropped)."""
-    examples, batch = len(read_split(args, "train").texts), args.batch_size * world_size
+def check_splits(args: GlueDataArgs) -> dict[str, int]:
+    """Both splits read and checked at the start (the DataPipeline's `check`), so that bad data stops the run
+    before anything is written; the facts the schedule follows from: {"train_rows": examples of the train split}."""
+    read_split(args, "dev")
+    return {"train_rows": len(read_split(args, "train").texts)}
+
+
+def steps_per_epoch(examples: int, args: GlueDataArgs, world_size: int) -> int:
+    """Optimizer steps in one pass over a train split of `examples` (its last, incomplete global batch dropped)."""
+    batch = args.batch_size * world_size
     if examples < batch:
         raise UserError(f"{args.glue_task.title}: {examples} training examples, fewer than one step's batch of "
                         f"{batch} (data.batch_size {args.batch_size} x {world_size} processes)")

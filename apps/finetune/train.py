@@ -7,7 +7,6 @@ backbone trained, with a dev-set evaluation after each epoch and the best epoch'
 """
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -15,8 +14,8 @@ import torch.nn.functional as F
 from apps.finetune.data import (
     GlueDataArgs,
     GlueLoader,
+    check_splits,
     load_dev_rows,
-    read_split,
     repartition_position,
     row_shape,
     steps_per_epoch,
@@ -24,15 +23,17 @@ from apps.finetune.data import (
 from apps.finetune.model import FinetuneArgs, build_finetune
 from lingua.app import DataPipeline
 from lingua.args import UserError, at_least, require
-from lingua.checkpoint import Checkpoint, CheckpointArgs, CheckpointManager
-from lingua.distributed import Launch, all_reduce, detect_launch
+from lingua.checkpoint import Checkpoint
+from lingua.distributed import Launch, all_reduce
 from lingua.eval.glue import task_scores
 from lingua.optim import OptimArgs
 from lingua.parallel import autocast
 from lingua.pretrained import adopt_pretrained, load_pretrained
+from lingua.resume import Start
 from lingua.train import App, TrainArgs, main
+from lingua.validation import ValidationArgs
 
-GLUE = DataPipeline(GlueLoader, load_dev_rows, repartition_position, row_shape)
+GLUE = DataPipeline(GlueLoader, load_dev_rows, repartition_position, row_shape, check_splits)
 FINETUNE = "apps.finetune.train"
 
 
@@ -58,16 +59,15 @@ class FinetuneTrainArgs(TrainArgs):
                 "batch fits one step: set data.batch_size)")
 
 
-def configure(args: FinetuneTrainArgs) -> FinetuneTrainArgs:
+def configure(args: FinetuneTrainArgs, start: Start) -> FinetuneTrainArgs:
     """The pre-trained run's shapes and tokenizer (lingua/pretrained.py), the task's head, the data order from the
-    run's seed, and the schedule in epochs: `steps`, `optim.warmup`, the evaluation after each epoch and a checkpoint
-    at least once an epoch. Both splits are read first, so bad data stops the run before anything is written; a run
-    resumed on another number of processes, whose epochs would change, is refused."""
-    args = adopt_pretrained(args, attention_pooler=args.model.pooling == "attention")
-    read_split(args.data, "dev")
-    per_epoch = steps_per_epoch(args.data, detect_launch().world_size)
+    run's seed, and the schedule in epochs (from the train split's size, `check_splits`): `steps`, `optim.warmup`, the
+    evaluation after each epoch and a checkpoint at least once an epoch. A run resumed on another number of
+    processes, whose epochs would change, is refused."""
+    args = adopt_pretrained(args, start.init_from, attention_pooler=args.model.pooling == "attention")
+    per_epoch = steps_per_epoch(start.data["train_rows"], args.data, start.world_size)
     steps = args.epochs * per_epoch
-    started = started_config(Path(args.dump_dir))
+    started = start.resumed
     if started and (started["steps"], started["validation"]["every"]) != (steps, per_epoch):
         raise UserError(f"{args.dump_dir} was started with {started['validation']['every']} steps an epoch, here "
                         f"{per_epoch}: resume it on as many processes as it started on")
@@ -77,31 +77,23 @@ def configure(args: FinetuneTrainArgs) -> FinetuneTrainArgs:
                    optim=replace(args.optim, warmup=round(args.warmup_ratio * steps)),
                    validation=replace(args.validation, every=per_epoch, keep_best="val/score"),
                    checkpoint=replace(args.checkpoint, every=min(args.checkpoint.every, per_epoch)),
-                   origin=started["origin"] if started else pretrained_origin(args.init_from))
+                   origin=started["origin"] if started else pretrained_origin(start.init_from))
 
 
-def started_config(dump_dir: Path) -> dict | None:
-    """The config of a run being resumed (one that saved a checkpoint), else None."""
-    if CheckpointManager(dump_dir / "checkpoints", CheckpointArgs()).latest() is None:
-        return None
-    return Checkpoint.open(dump_dir).config
-
-
-def pretrained_origin(init_from: str) -> str:
+def pretrained_origin(init_from: Checkpoint | None) -> str:
     """The pre-training checkpoint a run starts from, through the fine-tuning runs between (an MNLI start)."""
-    if not init_from:
+    if init_from is None:
         return ""
-    checkpoint = Checkpoint.open(init_from)
-    return checkpoint.config["origin"] if checkpoint.app_name == FINETUNE else str(checkpoint.path)
+    return init_from.config["origin"] if init_from.app_name == FINETUNE else str(init_from.path)
 
 
 @torch.no_grad()
-def validate_dev(model, rows: torch.Tensor, args: FinetuneTrainArgs, device: torch.device,
+def validate_dev(model, rows: torch.Tensor, validation: ValidationArgs, data: GlueDataArgs, device: torch.device,
                  launch: Launch) -> dict[str, float]:
     """The task's metrics on the whole dev split, in percent, and the mean loss; `val/score` is the task's headline
     metric (the paper's number). Every rank scores the same predictions."""
-    task = args.data.glue_task
-    logits = dev_logits(model, rows, args.validation.batch_size, device, launch)
+    task = data.glue_task
+    logits = dev_logits(model, rows, validation.batch_size, device, launch)
     labels = model.make_batch(rows, None)["labels"]
     if task.regression:
         loss, predictions = F.mse_loss(logits[:, 0], labels), logits[:, 0]

@@ -1,5 +1,6 @@
 """Frozen evaluation on GLUE (paper section 4.1, "Eval on GLUE" in 5.1): linear (ridge) and kNN probes on mean-pooled
-encoder features. Used by `python -m tools.eval.glue` and, through `run_glue_probes`, by the training loop.
+encoder features. Used by `python -m tools.eval.glue` and, through `run_glue_probes`, by the probes during training
+(lingua/validation.py).
 
 Protocol, and the choices the paper leaves open:
 - Features: the chosen layer's outputs averaged over the real tokens (padding excluded), one forward pass per split
@@ -207,14 +208,25 @@ def load_hf_split(task: GlueTask, split: str) -> GlueSplit:
     return split_from_hf_rows(task, rows)
 
 
-_WARNED: set[tuple] = set()  # the splits whose malformed lines were reported: once per file and process
+class SkippedLinesReport:
+    """Reports each split's malformed lines once per file (and version of it): the reader of a run that reads the
+    same files again (the probes during training, at every evaluation) keeps one."""
+
+    def __init__(self):
+        self.reported: set[tuple] = set()
+
+    def report(self, task: GlueTask, split: str, source: str, version: tuple | None, data: GlueSplit) -> None:
+        if data.skipped and (source, version) not in self.reported:
+            self.reported.add((source, version))
+            logger.warning(f"{task.title} {split}: {source}: skipped {data.skipped} malformed lines (the first at "
+                           f"{data.first_skipped})")
 
 
-def load_split(task: GlueTask, split: str, data: str, strict: bool = False) -> GlueSplit:
+def load_split(task: GlueTask, split: str, data: str, strict: bool = False,
+               report: SkippedLinesReport | None = None) -> GlueSplit:
     """The "train" or "dev" split of `task` from a GLUE folder or, with data="hf", from the HF hub. A line whose
     label is outside the task's set is skipped and counted, or with `strict` a UserError. Malformed lines are
-    reported once per file (probes during training read the files again at every evaluation); a file with no
-    usable line is a UserError."""
+    reported through `report` (once per file), else at every call; a file with no usable line is a UserError."""
     if data == "hf":
         result, source, version = load_hf_split(task, split), f"{HF_GLUE}/{task.name} {split}", None
     else:
@@ -231,10 +243,7 @@ def load_split(task: GlueTask, split: str, data: str, strict: bool = False) -> G
             raise MissingSplit(f"the {split} split has no usable example")
         why = f"{result.skipped} malformed lines, the first at {result.first_skipped}" if result.skipped else "no line"
         raise UserError(f"{source} has no usable {task.title} example ({why})")
-    if result.skipped and (source, version) not in _WARNED:
-        _WARNED.add((source, version))
-        logger.warning(f"{task.title} {split}: {source}: skipped {result.skipped} malformed lines (the first at "
-                       f"{result.first_skipped})")
+    (report or SkippedLinesReport()).report(task, split, source, version, result)
     return result
 
 
@@ -324,9 +333,10 @@ def check_args(args: GlueEvalArgs) -> list[GlueTask]:
     return [task for name, task in TASKS.items() if name in names]
 
 
-def evaluate_glue(model, tokenizer, args: GlueEvalArgs, device: torch.device,
-                  cache: FeatureCache | None = None) -> dict:
+def evaluate_glue(model, tokenizer, args: GlueEvalArgs, device: torch.device, cache: FeatureCache | None = None,
+                  report: SkippedLinesReport | None = None) -> dict:
     """Probes every task of `args`; returns the results (per task, layer and probe) and a summary per layer.
+    Malformed lines are reported through `report` (see load_split).
 
     The model is put in eval mode and restored to its previous mode afterwards.
     """
@@ -338,7 +348,8 @@ def evaluate_glue(model, tokenizer, args: GlueEvalArgs, device: torch.device,
         results: dict = {"layers": layers, "tasks": {}, "skipped": {}}
         for task in tasks:
             try:
-                results["tasks"][task.name] = evaluate_task(model, tokenizer, task, layers, args, device, cache)
+                results["tasks"][task.name] = evaluate_task(model, tokenizer, task, layers, args, device, cache,
+                                                            report)
             except MissingSplit as e:
                 logger.warning(f"{task.title}: skipped, {e}")
                 results["skipped"][task.name] = str(e)
@@ -349,9 +360,9 @@ def evaluate_glue(model, tokenizer, args: GlueEvalArgs, device: torch.device,
 
 
 def evaluate_task(model, tokenizer, task: GlueTask, layers: list[str], args: GlueEvalArgs, device: torch.device,
-                  cache: FeatureCache | None) -> dict:
-    train = load_split(task, "train", args.data)
-    dev = load_split(task, "dev", args.data)
+                  cache: FeatureCache | None, report: SkippedLinesReport | None = None) -> dict:
+    train = load_split(task, "train", args.data, report=report)
+    dev = load_split(task, "dev", args.data, report=report)
     permutation = torch.randperm(len(train.texts), generator=torch.Generator().manual_seed(args.seed))
     train = train.subset(permutation[:args.max_train])
     x_train = split_features(model, tokenizer, task, "train", train, layers, args, device, cache)
@@ -389,12 +400,19 @@ def flat_metrics(results: dict) -> dict[str, float]:
     return flat
 
 
-def run_glue_probes(model, tokenizer, args: GlueEvalArgs, device: torch.device) -> dict[str, float]:
-    """The training loop's hook: probes the current weights and returns flat metrics for metrics.jsonl.
+def run_glue_probes(model, tokenizer, args: GlueEvalArgs, device: torch.device,
+                    report: SkippedLinesReport | None = None) -> dict[str, float]:
+    """Probes the current weights (the evaluation during training) and returns flat metrics for metrics.jsonl.
 
     Features are computed afresh at every call (never cached on disk: the weights change between calls) and the
     model goes back to its previous (training) mode afterwards.
     """
-    return flat_metrics(evaluate_glue(model, tokenizer, args, device))
+    return flat_metrics(evaluate_glue(model, tokenizer, args, device, report=report))
+
+
+def probe_length(args: GlueEvalArgs, seq_len: int, max_seqlen: int) -> int:
+    """The probes' tokens per example for a model trained on `seq_len` tokens: `max_len`, else `seq_len`, and never
+    past the model's position table."""
+    return min(args.max_len or seq_len, max_seqlen)
 
 
