@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from apps.crossbert.train import APP as CROSSBERT
 from apps.finetune import train as finetune
 from apps.finetune.data import GlueDataArgs, GlueLoader, decode_labels, label_codes
-from lingua.args import UserError, load_config
+from lingua.args import UserError, load_config, to_dict
 from lingua.checkpoint import Checkpoint, load_model
 from lingua.eval.glue import TASKS
 from lingua.resume import open_start
@@ -280,6 +281,29 @@ def test_a_resume_on_another_number_of_processes_is_refused(pretrained, tmp_path
     with pytest.raises(UserError, match="started with 4 steps an epoch, here 2: resume it on as many processes"):
         args = load_config(finetune.APP.args_cls, argv + ["data.batch_size=8"])  # as 2 of 4
         finetune.APP.configure(args, open_start(finetune.APP, args, 1))
+
+
+def test_init_from_is_opened_once_and_configure_reads_no_file(pretrained, tmp_path, monkeypatch):
+    """The start opens init_from once (its shapes, config and weights); configure decides from the start alone, so
+    it gives the same config with init_from and the GLUE files gone, for a new run and for a resumed one."""
+    opened, original = [], Checkpoint.open.__func__
+    monkeypatch.setattr(Checkpoint, "open", classmethod(lambda cls, path: opened.append(Path(path)) or
+                                                        original(cls, path)))
+    source, glue = tmp_path / "source", tmp_path / "glue"
+    shutil.copytree(pretrained, source)
+    shutil.copytree(FIXTURES, glue)
+    argv = finetune_argv(tmp_path / "run", source, "rte", "epochs=1", data=glue)
+    config, _ = run_finetune(argv)
+    assert opened == [source]
+    starts = {}
+    for dump_dir in ("run", "new"):  # resumed (the steps are checked against its start) and new
+        args = load_config(finetune.APP.args_cls, argv + [f"dump_dir={tmp_path / dump_dir}"])
+        starts[dump_dir] = args, open_start(finetune.APP, args, 1)
+    shutil.rmtree(source)
+    shutil.rmtree(glue)
+    for dump_dir, (args, start) in starts.items():
+        configured = finetune.APP.configure(args, start)
+        assert to_dict(configured) == to_dict(replace(config, dump_dir=str(tmp_path / dump_dir)))
 
 
 # ------------------------------------------------------------------------------------------- sweep and table

@@ -152,6 +152,38 @@ def test_glue_probes_during_training(corpus, tmp_path):
     assert all(0 <= r["glue/sst2/linear"] <= 100 and "glue/stsb/linear" in r for r in probes)
 
 
+class SentenceSimilarity:
+    """An app's own evaluation (an STS-like score): the cosine of two fixed rows' mean-pooled states, every 3 steps."""
+
+    name, keep_best = "similarity", "sim/cosine"
+
+    def __init__(self, context):
+        self.model, self.device, self.steps = context.model, context.device, []
+        self.rows = torch.tensor([[1, 40, 41, 42, 2], [1, 40, 41, 43, 2]])
+
+    def due(self, step):
+        return step % 3 == 0
+
+    def run(self, step):
+        self.steps.append(step)
+        with torch.no_grad():
+            states = self.model.encode(self.rows.to(self.device)).float().mean(1)
+        return {"sim/cosine": torch.nn.functional.cosine_similarity(states[0], states[1], dim=0).item()}
+
+
+def test_an_apps_own_evaluation_runs_at_its_interval_and_keeps_its_best(corpus, tmp_path):
+    """App.evaluations adds an evaluation without any change to the loop; its keep_best exports best.pt."""
+    built = []
+    app = replace(APP, evaluations=lambda context: built.append(SentenceSimilarity(context)) or built[-1:])
+    dump = tmp_path / "run"
+    train(app, load_config(app.args_cls, tiny_argv(corpus, dump, steps=7) + ["validation.every=0"]))
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    scores = [r for r in records if "sim/cosine" in r]
+    assert [r["step"] for r in scores] == built[0].steps == [3, 6] and all(-1 <= r["sim/cosine"] <= 1 for r in scores)
+    assert json.loads((dump / "best.json").read_text()) == max(scores, key=lambda r: r["sim/cosine"])
+    assert (dump / "best.pt").exists() and not any("val/loss" in r for r in records)
+
+
 def test_logged_lr_is_the_rate_the_step_used(corpus, tmp_path):
     from lingua.optim import lr_at
 
