@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,6 +10,8 @@ import yaml
 
 from lingua.scaling import PowerLaw, best_per_group, fit_power_law
 from tools import scaling
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Appendix J: (FLOPs, dim, layers, steps, tokens (B), BSZ, GPUs, grad acc, LR)
 BERT_ROWS = [
@@ -297,3 +300,52 @@ def test_appendix_h_heatmaps_mark_the_best_runs_per_size_and_fit_their_laws(tmp_
     with pytest.raises(SystemExit) as exit_:
         scaling.main(["plot", "kind=heatmaps", f"runs={tmp_path / 'sweep'}", f"out={out}"])
     assert exit_.value.code == 2 and "one app" in capsys.readouterr().err
+
+
+def test_figure1_pipeline_validates_on_both_sources_on_every_world_size_and_plots_figures_3_4_5():
+    """Each pre-training's config resolves with its validation on DCLM and Wikipedia, in chunks its ranks can split
+    (up to 128 processes: CrossBERT model 8), and the plot stages are valid tools.scaling commands."""
+    from lingua.app import load_app, short_name
+    from lingua.args import load_config
+    from lingua.pipeline import load_pipeline, stage_launcher
+    from lingua.validation import check_validation_split
+
+    pipeline = load_pipeline(str(ROOT / "docs/pipelines/figure1.yaml"))
+    pretraining = [stage for stage in pipeline.stages if stage.name.startswith("pretrain.")]
+    assert len(pretraining) == 17
+    for stage in pretraining:
+        app = load_app(short_name(stage.module))
+        args = load_config(app.args_cls, [a for a in stage.args if not a.startswith("dump_dir=")])
+        assert args.data.sources == {"dclm": 1.0} and args.data.validation_sources == {"dclm": 1.0, "wikipedia": 1.0}
+        launcher = stage_launcher([], stage)
+        check_validation_split(args.validation, launcher.nodes * launcher.gpus_per_node)
+    plots = {stage.name: stage for stage in pipeline.stages if stage.name.startswith("figure")}
+    assert sorted(plots) == ["figure3", "figure4", "figure5"]
+    kinds = {name: load_config(scaling.PlotArgs, stage.args[1:]).kind for name, stage in plots.items()}
+    assert kinds == {"figure3": "mteb_types", "figure4": "glue_tasks", "figure5": "sources"}
+
+
+@pytest.mark.parametrize("sweep,runs,gpus,ratio", [("hparams_crossbert.yaml", 80, 8, 20.0),
+                                                    ("hparams_debug.yaml", 8, 1, 0.5)])
+def test_hparams_sweeps_give_every_run_of_a_model_its_token_views(sweep, runs, gpus, ratio):
+    """Appendix H's sweeps: each run's steps x token-views per step is the model's D = ratio x F_N (within a step),
+    so all runs of a model spend the same compute; every batch size meets every learning rate."""
+    from lingua.app import load_app
+    from lingua.stool import plan_sweep
+
+    _, planned, launcher = plan_sweep(str(ROOT / "docs/sweeps" / sweep))
+    assert len(planned) == runs and launcher.get("gpus_per_node", 1) in (gpus, 0)
+    app = load_app("crossbert")
+    shapes: dict = {}
+    for run in planned:
+        config = run.config
+        seq_len = config["data"]["seq_len"]
+        key = json.dumps(config["model"], sort_keys=True)
+        if key not in shapes:
+            shapes[key] = scaling.flops_and_views(app, config, seq_len)
+        flops, views = shapes[key]
+        per_step = config["data"]["batch_size"] * gpus * config["grad_acc_steps"] * seq_len * views
+        assert abs(config["steps"] * per_step - ratio * flops) <= per_step / 2
+    lrs = {run.config["optim"]["lr"] for run in planned}
+    batches = {(run.config["data"]["batch_size"], run.config["grad_acc_steps"]) for run in planned}
+    assert len(planned) == len(shapes) * len(lrs) * len(batches)
