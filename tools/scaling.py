@@ -90,7 +90,7 @@ PLOT_KINDS = ("curves", "loss", "probes", "training", "glue_tasks", "mteb_types"
 
 @dataclass
 class PlotArgs:
-    kind: str = "curves"  # one of PLOT_KINDS
+    kind: str = "curves"  # curves | loss | probes | training | glue_tasks | mteb_types | sources | heatmaps
     runs: str = ""  # comma-separated sweep folders (or dump_dirs)
     out: str = "plot.png"
     probe: str = "linear"  # probes, training and glue_tasks: linear | knn
