@@ -308,6 +308,7 @@ def fitted_hyperparameters(runs: list[dict[str, Any]], keep: int) -> tuple[list[
 
 
 def validated_runs(spec: str) -> list[dict[str, Any]]:
+    """The runs of `spec` that have a validation loss (what the fits read)."""
     return [run for run in map(read_run, run_dirs(spec)) if run["final_val_loss"] is not None]
 
 
