@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 class DataArgs:
     root_dir: str = ""  # the folder of the sources (setup/prepare_data.py writes data/<source>/)
     sources: dict[str, float] = field(default_factory=dict)  # source folder -> sampling weight
+    validation_sources: dict[str, float] = field(default_factory=dict)  # the validation rows' sources and weights
+    # (default: sources): a source validated on need not be trained on (the paper's Figure 5 reads Wikipedia's loss)
     seq_len: int = 512  # tokens per training sequence
     batch_size: int = 8  # sequences per rank per micro-batch
     seed: int = 42  # document order and source sampling
@@ -46,9 +48,10 @@ class DataArgs:
     def __post_init__(self):
         at_least(self, 1, "seq_len", "batch_size")
         at_least(self, 0, "prefetch", "seed")
-        weights = self.sources.values()
-        require(all(w >= 0 for w in weights) and (not weights or sum(weights) > 0), "sources",
-                f"weights must be >= 0 with a positive sum, got {self.sources}")
+        for name in ("sources", "validation_sources"):
+            weights = getattr(self, name).values()
+            require(all(w >= 0 for w in weights) and (not weights or sum(weights) > 0), name,
+                    f"weights must be >= 0 with a positive sum, got {getattr(self, name)}")
 
 
 def _check_args(args: DataArgs) -> None:
@@ -473,11 +476,12 @@ def load_validation(args: DataArgs, tokenizer, n_sequences: int, rank: int = 0, 
     Sources (sorted by name) get n_sequences * weight rows (largest remainder); a source's rows are packed from its
     own file from the start, and rank r takes rows [r*k, (r+1)*k) of them, so ranks are disjoint. Too little text
     raises UserError rather than returning fewer rows: a silently smaller set would make losses incomparable. The
-    rows come source after source, counted per source in `source_rows`.
+    rows come source after source, counted per source in `source_rows`. `validation_sources`, when given, stands for
+    the training's sources here.
     """
     _check_args(args)
     rows, source_rows = [], {}
-    for name, k in _split_by_weight(n_sequences, args.sources).items():
+    for name, k in _split_by_weight(n_sequences, args.validation_sources or args.sources).items():
         if k == 0:
             continue
         source_rows[name] = k

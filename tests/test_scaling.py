@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,6 +10,8 @@ import yaml
 
 from lingua.scaling import PowerLaw, best_per_group, fit_power_law
 from tools import scaling
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Appendix J: (FLOPs, dim, layers, steps, tokens (B), BSZ, GPUs, grad acc, LR)
 BERT_ROWS = [
@@ -170,7 +173,7 @@ def test_the_probes_plot_has_a_panel_per_benchmark_and_a_pattern_names_the_runs(
             (run / "mteb_eval" / "contrastive_frozen" / "results.json").write_text(json.dumps(
                 {"args": {"benchmark": "MTEB(eng, v2)", "offline": ""}, "summary": {"Avg.": 50 + offset}}))
     runs = scaling.run_dirs(f"{tmp_path}/pipeline/*/pretrain")
-    assert len(runs) == 4 and scaling.read_run(runs[-1])["mteb"] == {"MTEB(eng, v2)": 52.0}
+    assert len(runs) == 4 and scaling.read_run(runs[-1])["mteb"] == {"MTEB(eng, v2)": {"Avg.": 52.0}}
     out = tmp_path / "figure1.png"
     scaling.main(["plot", "kind=probes", f"runs={tmp_path}/pipeline/*/pretrain", f"out={out}"])
     width = int.from_bytes(out.read_bytes()[16:20], "big")  # the PNG header's width: 120 dpi x (1 + 5 per panel)
@@ -200,3 +203,149 @@ def test_the_training_plot_draws_each_runs_probe_scores_against_compute(tmp_path
     with pytest.raises(SystemExit) as exit_:
         scaling.main(["plot", "kind=training", f"runs={tmp_path / 'unprobed'}", f"out={out}"])
     assert exit_.value.code == 2 and "no GLUE probe scores" in capsys.readouterr().err
+
+
+def png_size(path):
+    """(width, height) in pixels from the PNG header."""
+    header = path.read_bytes()[16:24]
+    return int.from_bytes(header[:4], "big"), int.from_bytes(header[4:], "big")
+
+
+def test_figures_3_and_4_draw_a_panel_per_glue_task_and_per_mteb_task_type(tmp_path, capsys):
+    """The frozen scores of each task (GLUE, the probe's) or task type (the benchmark's summary), four panels to a
+    row; a score a power law cannot fit (CoLA at or below 0) leaves its panel without the law."""
+    types = ["Classification", "Clustering", "PairClassification", "Reranking", "Retrieval"]
+    for app, offset in (("bert", 0.0), ("crossbert", 2.0)):
+        for compute in (1e14, 1e15, 1e16):
+            run = tmp_path / "figure1" / f"{app}_{compute:g}" / "pretrain"
+            fake_run(run, app, 64, 1e-3, 512, compute, [5.0, 4.0])
+            glue = {"mnli": 60 + offset, "sst2": 80 + offset, "cola": offset - 1, "rte": 55.0, "stsb": 70.0}
+            (run / "glue_eval" / "last").mkdir(parents=True)
+            (run / "glue_eval" / "last" / "results.json").write_text(json.dumps(
+                {"summary": {"last": {"linear": {**glue, "avg": 60.0}}}}))
+            summary = {kind: 40 + i + offset for i, kind in enumerate(types)} | {"Avg.": 42.0, "Overall": 41.0}
+            (run / "mteb_eval" / "contrastive_frozen").mkdir(parents=True)
+            (run / "mteb_eval" / "contrastive_frozen" / "results.json").write_text(json.dumps(
+                {"args": {"benchmark": "MTEB(eng, v2)", "offline": ""}, "summary": summary}))
+    runs = f"runs={tmp_path}/figure1/*/pretrain"
+    run = scaling.read_run(tmp_path / "figure1" / "crossbert_1e+15" / "pretrain")
+    assert list(scaling.task_scores(run, scaling.PlotArgs(kind="glue_tasks"))) == ["mnli", "sst2", "cola", "rte",
+                                                                                    "stsb"]
+    assert scaling.task_scores(run, scaling.PlotArgs(kind="mteb_types")) == {
+        kind: 42.0 + i for i, kind in enumerate(types)}
+    for kind, panels in (("glue_tasks", 5), ("mteb_types", 5)):
+        out = tmp_path / f"{kind}.png"
+        scaling.main(["plot", f"kind={kind}", runs, f"out={out}", "fit=true"])
+        assert png_size(out) == (120 * (1 + 4 * 4), 120 * (0.5 + 3.5 * 2))  # 4 panels to a row: 2 rows
+    with pytest.raises(SystemExit) as exit_:
+        scaling.main(["plot", "kind=mteb_types", runs, "benchmark=MTEB(eng, v1)", f"out={out}"])
+    assert exit_.value.code == 2 and "no MTEB(eng, v1) results" in capsys.readouterr().err
+
+
+def test_figure_5_draws_each_sources_validation_loss_with_the_law_of_the_final_losses(tmp_path, capsys):
+    for app in ("bert", "crossbert"):
+        for compute in (1e14, 1e15):
+            run = tmp_path / "figure1" / f"{app}_{compute:g}" / "pretrain"
+            fake_run(run, app, 64, 1e-3, 512, compute, [5.0, 4.0])  # validation at steps 10 and 20
+            with (run / "metrics.jsonl").open("a") as f:
+                for step, loss in ((10, 5.0), (20, 4.0 - math.log10(compute) / 10)):
+                    f.write("\n" + json.dumps({"step": step, "val/loss": loss, "val/loss/dclm": loss - 0.5,
+                                               "val/loss/wikipedia": loss + 0.5}))
+    run = scaling.read_run(tmp_path / "figure1" / "bert_1e+15" / "pretrain")
+    assert run["source_curves"] == {"dclm": [(5e14, 4.5), (1e15, 2.0)], "wikipedia": [(5e14, 5.5), (1e15, 3.0)]}
+    out = tmp_path / "figure5.png"
+    scaling.main(["plot", "kind=sources", f"runs={tmp_path}/figure1/*/pretrain", f"out={out}"])
+    assert png_size(out) == (120 * (1 + 5 * 2), 120 * (0.5 + 3.5 * 2))  # a column per app, a row per source
+    fake_run(tmp_path / "one_source", "bert", 64, 1e-3, 512, 1e15, [5.0, 4.0])
+    with pytest.raises(SystemExit) as exit_:
+        scaling.main(["plot", "kind=sources", f"runs={tmp_path / 'one_source'}", f"out={out}"])
+    assert exit_.value.code == 2 and "data.validation_sources" in capsys.readouterr().err
+
+
+def test_validation_rows_come_from_the_validation_sources_when_given(tmp_path):
+    """Figure 5's runs train on DCLM and validate on DCLM and Wikipedia: a source validated on, not trained on."""
+    from lingua.data import DataArgs, load_validation
+    from lingua.tokenizer import BytesTokenizer
+
+    for source in ("dclm", "wikipedia"):
+        (tmp_path / source).mkdir()
+        (tmp_path / source / "valid.jsonl").write_text(
+            "\n".join(json.dumps({"text": f"{source} text {i} " * 4}) for i in range(20)))
+    args = DataArgs(root_dir=str(tmp_path), sources={"dclm": 1.0}, seq_len=16,
+                    validation_sources={"dclm": 1.0, "wikipedia": 1.0})
+    rows = load_validation(args, BytesTokenizer(), 6)
+    assert rows.shape == (6, 16) and rows.source_rows == {"dclm": 3, "wikipedia": 3}
+    assert bytes(rows[3, 1:10].tolist()) == b"wikipedia"
+    assert load_validation(DataArgs(root_dir=str(tmp_path), sources={"dclm": 1.0}, seq_len=16), BytesTokenizer(),
+                           6).source_rows == {"dclm": 6}
+
+
+def test_appendix_h_heatmaps_mark_the_best_runs_per_size_and_fit_their_laws(tmp_path, capsys):
+    """A sweep of 2 sizes x 2 learning rates x 2 batch sizes: the best run per size (keep=1) is the law's own."""
+    lr_law, bsz_law = PowerLaw(69.18, -0.24), PowerLaw(17.38, 0.24)
+    for size, compute in ((64, 1e15), (128, 1e17)):
+        for lr_factor in (1.0, 2.0):
+            for bsz_factor in (1.0, 0.5):
+                loss = 3.0 + math.log(lr_factor) + math.log(1 / bsz_factor)
+                fake_run(tmp_path / "sweep" / f"d{size}_lr{lr_factor}_b{bsz_factor}", "crossbert", size,
+                         lr_law(compute) * lr_factor, round(bsz_law(compute) * bsz_factor), compute, [loss + 1, loss])
+    runs = scaling.validated_runs(str(tmp_path / "sweep"))
+    kept, fits = scaling.fitted_hyperparameters(runs, keep=1)
+    assert [run["dir"].name for run in kept] == ["d128_lr1.0_b1.0", "d64_lr1.0_b1.0"]  # sizes "128x2" < "64x2"
+    assert fits["lr"].law.exponent == pytest.approx(-0.24) and fits["bsz"].law.exponent == pytest.approx(0.24, abs=1e-3)
+    out = tmp_path / "heatmaps.png"
+    scaling.main(["plot", "kind=heatmaps", f"runs={tmp_path / 'sweep'}", f"out={out}", "keep=1"])
+    assert png_size(out)[0] == 120 * (1 + 4.5 * 4)  # a heatmap per size, then the LR and BSZ laws
+    fake_run(tmp_path / "sweep" / "bert_run", "bert", 64, 1e-3, 512, 1e15, [5.0, 4.0])
+    with pytest.raises(SystemExit) as exit_:
+        scaling.main(["plot", "kind=heatmaps", f"runs={tmp_path / 'sweep'}", f"out={out}"])
+    assert exit_.value.code == 2 and "one app" in capsys.readouterr().err
+
+
+def test_figure1_pipeline_validates_on_both_sources_on_every_world_size_and_plots_figures_3_4_5():
+    """Each pre-training's config resolves with its validation on DCLM and Wikipedia, in chunks its ranks can split
+    (up to 128 processes: CrossBERT model 8), and the plot stages are valid tools.scaling commands."""
+    from lingua.app import load_app, short_name
+    from lingua.args import load_config
+    from lingua.pipeline import load_pipeline, stage_launcher
+    from lingua.validation import check_validation_split
+
+    pipeline = load_pipeline(str(ROOT / "docs/pipelines/figure1.yaml"))
+    pretraining = [stage for stage in pipeline.stages if stage.name.startswith("pretrain.")]
+    assert len(pretraining) == 17
+    for stage in pretraining:
+        app = load_app(short_name(stage.module))
+        args = load_config(app.args_cls, [a for a in stage.args if not a.startswith("dump_dir=")])
+        assert args.data.sources == {"dclm": 1.0} and args.data.validation_sources == {"dclm": 1.0, "wikipedia": 1.0}
+        launcher = stage_launcher([], stage)
+        check_validation_split(args.validation, launcher.nodes * launcher.gpus_per_node)
+    plots = {stage.name: stage for stage in pipeline.stages if stage.name.startswith("figure")}
+    assert sorted(plots) == ["figure3", "figure4", "figure5"]
+    kinds = {name: load_config(scaling.PlotArgs, stage.args[1:]).kind for name, stage in plots.items()}
+    assert kinds == {"figure3": "mteb_types", "figure4": "glue_tasks", "figure5": "sources"}
+
+
+@pytest.mark.parametrize("sweep,runs,gpus,ratio", [("hparams_crossbert.yaml", 80, 8, 20.0),
+                                                    ("hparams_debug.yaml", 8, 1, 0.5)])
+def test_hparams_sweeps_give_every_run_of_a_model_its_token_views(sweep, runs, gpus, ratio):
+    """Appendix H's sweeps: each run's steps x token-views per step is the model's D = ratio x F_N (within a step),
+    so all runs of a model spend the same compute; every batch size meets every learning rate."""
+    from lingua.app import load_app
+    from lingua.stool import plan_sweep
+
+    _, planned, launcher = plan_sweep(str(ROOT / "docs/sweeps" / sweep))
+    assert len(planned) == runs and launcher.get("gpus_per_node", 1) in (gpus, 0)
+    app = load_app("crossbert")
+    shapes: dict = {}
+    for run in planned:
+        config = run.config
+        seq_len = config["data"]["seq_len"]
+        key = json.dumps(config["model"], sort_keys=True)
+        if key not in shapes:
+            shapes[key] = scaling.flops_and_views(app, config, seq_len)
+        flops, views = shapes[key]
+        per_step = config["data"]["batch_size"] * gpus * config["grad_acc_steps"] * seq_len * views
+        assert abs(config["steps"] * per_step - ratio * flops) <= per_step / 2
+    lrs = {run.config["optim"]["lr"] for run in planned}
+    batches = {(run.config["data"]["batch_size"], run.config["grad_acc_steps"]) for run in planned}
+    assert len(planned) == len(shapes) * len(lrs) * len(batches)
