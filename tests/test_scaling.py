@@ -274,8 +274,8 @@ def test_validation_rows_come_from_the_validation_sources_when_given(tmp_path):
     args = DataArgs(root_dir=str(tmp_path), sources={"dclm": 1.0}, seq_len=16,
                     validation_sources={"dclm": 1.0, "wikipedia": 1.0})
     rows = load_validation(args, BytesTokenizer(), 6)
-    assert rows.shape == (6, 16) and rows.source_rows == {"dclm": 3, "wikipedia": 3}
-    assert bytes(rows[3, 1:10].tolist()) == b"wikipedia"
+    assert rows.tokens.shape == (6, 16) and rows.source_rows == {"dclm": 3, "wikipedia": 3}
+    assert bytes(rows.tokens[3, 1:10].tolist()) == b"wikipedia"
     assert load_validation(DataArgs(root_dir=str(tmp_path), sources={"dclm": 1.0}, seq_len=16), BytesTokenizer(),
                            6).source_rows == {"dclm": 6}
 
