@@ -180,7 +180,7 @@ def glue_section(title: str, ours: list[tuple[str, list[str], dict[str, float]]]
     metrics = [metric_names(tasks)]
     if theirs and not full:
         metrics.append(f"The paper's rows: its numbers on these {len(tasks)} tasks, averaged here as ours (its own "
-                     f"average is over all {len(TASKS)}).")
+                       f"average is over all {len(TASKS)}).")
     header = [corner, *meta, *(TASKS[t].title for t in tasks), average]
     return [f"**{title}**", ""] + _markdown(header, rows) + footnotes(" ".join(metrics), notes)
 
