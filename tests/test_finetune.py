@@ -340,7 +340,7 @@ def test_the_table_command_prints_the_paper_row_for_a_paper_shaped_model(tmp_pat
     monkeypatch.setattr(table, "read_results", lambda folders: (results, []))
     table.main([str(tmp_path)])
     out = capsys.readouterr().out
-    paper_row = next(line for line in out.splitlines() if "paper: crossbert" in line)
+    paper_row = next(line for line in out.splitlines() if "paper: CrossBERT" in line)
     assert paper_row.split()[2:] == ["-", "-", "-", "85.1", "-", "-", "-", "-", "85.1*"]  # RTE alone, averaged alike
     assert "86.6" not in out and "Metrics (dev, in %): RTE accuracy." in out and (tmp_path / "table.md").exists()
 

@@ -1,11 +1,15 @@
 """tools.tables: the paper's tables from a pipeline's folder (made up here), ours beside the paper's numbers."""
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from lingua.eval.glue import TASKS
 from tools import paper, tables
+
+REPO = Path(__file__).resolve().parents[1]
 
 CATEGORIES = ("Classification", "Clustering", "PairClassification", "Reranking", "Retrieval", "STS",
               "Summarization")
@@ -58,24 +62,103 @@ def test_table3_puts_the_papers_rows_beside_ours_with_our_runs_cost(tmp_path, ca
     linear = lines.index("**GLUE, linear probe on frozen features**")
     assert lines[linear + 2] == ("| Model | Params | FLOPs | tps | MNLI | QNLI | QQP | RTE | SST2 | MRPC | CoLA | STSB "
                                  "| Avg. |")
-    assert lines[linear + 4] == "| bert | 1.0M | 6.0e16 | 1.0k | " + " | ".join(
+    assert lines[linear + 4] == "| BERT | 1.0M | 6.0e16 | 1.0k | " + " | ".join(
         f"{50.0 + i:.1f}" for i in range(8)) + " | 53.5 |"
-    assert lines[linear + 7] == "| *crossbert, paper* | 279M | 4.1e19 | 207k | " + " | ".join(
+    assert lines[linear + 7] == "| *CrossBERT, paper* | 279M | 4.1e19 | 207k | " + " | ".join(
         f"{v:.1f}" for v in paper.GLUE_LINEAR["crossbert"]) + " |"
     frozen = next(i for i, line in enumerate(lines) if line.startswith("**MTEB(eng, v1), contrastive fine-tuning, "
                                                                        "over frozen features"))
-    assert lines[frozen + 4] == "| bert | 1.0M | 6.0e16 | 1.0k | " + " | ".join(["–"] * 9) + " |"  # not run
-    assert lines[frozen + 5].startswith("| crossbert | 2.0M | 6.0e16 | 2.0k | 40.0 | ")
-    assert lines[frozen + 7] == "| *crossbert, paper* | 279M | 4.1e19 | 207k | " + " | ".join(
+    assert lines[frozen + 4] == "| BERT | 1.0M | 6.0e16 | 1.0k | " + " | ".join(["–"] * 9) + " |"  # not run
+    assert lines[frozen + 5].startswith("| CrossBERT | 2.0M | 6.0e16 | 2.0k | 40.0 | ")
+    assert lines[frozen + 7] == "| *CrossBERT, paper* | 279M | 4.1e19 | 207k | " + " | ".join(
         f"{v:.1f}" for v in paper.MTEB[("MTEB(eng, v1)", "frozen")]["crossbert"]) + " |"
-    assert not any("fine-tuning (dev" in line for line in lines)  # no fine-tuning run: no section
+    ours = lines[:lines.index("## The literature in the paper's Table 3")]
+    assert not any("fine-tuning (dev" in line for line in ours)  # no fine-tuning run: no section of ours
+
+
+def test_table3_ends_with_the_literature_in_its_own_section_as_the_paper_prints_it(tmp_path, capsys):
+    folder = fake_pipeline(tmp_path / "p", {"bert": {"app": "bert"}}, probes={"bert": {"rte": 60.0}})
+    lines = render(capsys, "3", folder)
+    section = lines.index("## The literature in the paper's Table 3")
+    assert section > lines.index("| *BERT, paper* | 239M | 6.8e19 | 123k | 59.9 | 59.9 |")  # after ours and the paper's
+    literature = lines[section:]
+    finetune, probe = (literature.index(f"**GLUE, {block}**") for block in ("full fine-tuning (dev)",
+                                                                             "linear probe on frozen features"))
+    mteb = literature.index("**MTEB(eng, v1), contrastive fine-tuning, whole model**")
+    # every task and the paper's own average, whatever ours ran (here RTE alone)
+    assert literature[finetune + 2] == ("| Model | Params | FLOPs | tps | MNLI | QNLI | QQP | RTE | SST2 | MRPC | CoLA "
+                                        "| STSB | Avg. |")
+    assert literature[finetune + 4:finetune + 8] == [
+        "| ModernBERT | 352M | 4.9e21 | – | 90.8 | 95.2 | 92.7 | 92.1 | 97.1 | 91.7 | 71.4 | 92.8 | 90.5 |",
+        "| NeoBERT | 198M | 2.9e21 | – | 88.9 | 93.9 | 90.7 | 91.0 | 95.8 | 93.4 | 64.8 | 92.1 | 88.8 |",
+        "| OptiBERT | 239M | 7.0e19 | – | 86.6 | 92.1 | 90.3 | 83.2 | 92.6 | 91.0 | 59.6 | 90.8 | 85.8 |",
+        "| DeBERTaV3 | 304M | >2e20 | – | 91.9 | 96.0 | 93.0 | 92.7 | 96.9 | 91.9 | 75.3 | 93.0 | 91.4 |"]
+    assert literature[probe + 4:probe + 8] == [  # no OptiBERT in this block of the paper's
+        "| ModernBERT | 352M | 4.9e21 | – | 63.7 | 80.0 | 80.7 | 61.0 | 86.7 | 74.0 | 40.7 | 83.0 | 71.2 |",
+        "| NeoBERT | 198M | 2.9e21 | – | 47.9 | 69.8 | 72.9 | 56.0 | 78.0 | 69.1 | 10.1 | 66.1 | 58.7 |",
+        "| DeBERTaV3 | 304M | >2e20 | – | 76.6 | 86.9 | 85.8 | 75.8 | 86.5 | 81.9 | 67.1 | 90.1 | 81.3 |", ""]
+    assert literature[mteb + 4:mteb + 9] == [
+        "| ModernBERT* | 352M | 4.9e21 | – | 62.4 | 38.7 | 65.5 | 50.1 | 23.1 | 68.3 | 27.8 | 46.9 | – |",
+        "| NeoBERT* | 198M | 2.9e21 | – | 61.6 | 40.8 | 76.2 | 51.2 | 31.6 | 74.8 | 30.7 | 51.3 | – |",
+        "| OptiBERT× | 239M | 7.0e19 | – | 67.5 | 36.1 | 75.8 | 48.1 | 23.3 | 79.7 | 30.0 | 51.5 | – |",
+        "| DeBERTaV3* | 304M | >2e20 | – | 45.9 | 16.4 | 45.0 | 40.8 | 4.0 | 40.1 | 29.9 | 27.1 | – |", ""]
+    assert literature[mteb + 9].startswith("The paper's marks: *: Full finetuning on much larger dataset including ")
+    assert literature[mteb + 9].endswith(" ×: Full finetuning on AllNLI only.")
+    assert literature.count(paper.NOTES["literature"]["mteb_v1_full"]) == 1
+    assert not any("paper*" in line for line in literature)  # not styled as the paper's own runs
+
+
+def test_table3_notes_the_papers_electra_rows_once_beside_them(tmp_path, capsys):
+    summary = {**{c: 40.0 for c in CATEGORIES}, "Avg.": 40.0, "Overall": 41.0}
+    runs = {"mteb_v1_frozen": ("MTEB(eng, v1)", summary), "mteb_v1_full": ("MTEB(eng, v1)", summary),
+            "mteb_v2_frozen": ("MTEB(eng, v2)", summary), "mteb_v2_full": ("MTEB(eng, v2)", summary)}
+    folder = fake_pipeline(tmp_path / "p", {"bert": {"app": "bert"}, "electra": {"app": "electra"}},
+                           mteb={"bert": runs, "electra": runs})
+    lines = render(capsys, "3", folder)
+    v1_frozen, v2_full = paper.NOTES["MTEB(eng, v1) frozen"]["electra"], paper.NOTES["MTEB(eng, v2) full"]["electra"]
+    assert lines.count(v1_frozen) == 1 and lines.count(v2_full) == 1
+    section = lines.index("**MTEB(eng, v2), contrastive fine-tuning, whole model**")
+    assert lines[section + 10] == "" and lines[section + 11] == v2_full  # under that table, after its metrics
+    assert "Avg. 50.3 and Overall 49.0 are v1's" in v2_full and "25.94, not its Avg. 26.2" in v1_frozen
+    subset = {"STS12": ("STS", 70.0)}
+    folder = fake_pipeline(tmp_path / "subset", {"electra": {"app": "electra"}}, mteb={"electra": {
+        "mteb_v2_full": ("MTEB(eng, v2)", {"STS": 70.0, "Avg.": 70.0, "Overall": 70.0}, subset)}})
+    assert v2_full not in render(capsys, "3", folder)  # no paper row beside a subset: no note on it
+
+
+V1_TASKS, V2_TASKS = (12, 11, 3, 4, 15, 10, 1), (8, 8, 3, 2, 10, 9, 1)  # mteb's benchmarks: tasks per type
+
+
+def test_the_papers_mteb_rows_add_up_within_rounding_but_where_a_note_says_not():
+    """Avg. is the mean of the 7 type scores, Overall the tasks' mean (the types weighted by their tasks); each cell
+    and average is rounded to 0.1, so a recomputed average may be off by 0.1. The exceptions are the rows the notes
+    are about."""
+    noted = {(benchmark, protocol, app) for benchmark, protocol in paper.MTEB
+             for app in paper.NOTES.get(f"{benchmark} {protocol}", {})}
+    off = set()
+    for (benchmark, protocol), rows in paper.MTEB.items():
+        counts = V1_TASKS if benchmark == "MTEB(eng, v1)" else V2_TASKS
+        for app, row in rows.items():
+            overall = sum(score * n for score, n in zip(row, counts)) / sum(counts)
+            if abs(sum(row[:7]) / 7 - row[7]) > 0.1 or abs(overall - row[8]) > 0.1:
+                off.add((benchmark, protocol, app))
+    assert off == noted == {("MTEB(eng, v1)", "frozen", "electra"), ("MTEB(eng, v2)", "full", "electra")}
+    for name, row in paper.LITERATURE["mteb_v1_full"].items():  # the literature's Avg.: over the tasks but OptiBERT's
+        over_tasks = sum(score * n for score, n in zip(row, V1_TASKS)) / sum(V1_TASKS)
+        assert abs((sum(row[:7]) / 7 if name == "OptiBERT" else over_tasks) - row[7]) <= 0.1, name
+        assert f"{over_tasks:.2f}" in paper.NOTES["literature"]["mteb_v1_full"]
+    for a, b, notes in ((paper.CMS["on"], paper.GLUE_LINEAR["crossbert"], paper.NOTES["cms"]["on"]),
+                        (paper.WARM_START["warm"], paper.MTEB[("MTEB(eng, v2)", "frozen")]["crossbert"],
+                         paper.NOTES["warm_start"]["warm"])):
+        differing = [(x, y) for x, y in zip(a, b) if x != y]
+        assert len(differing) == 2 and all(f"{x:.1f}" in notes and f"{y:.1f}" in notes for x, y in differing)
 
 
 def test_fewer_glue_tasks_are_averaged_alike_on_both_sides_and_said_so(tmp_path, capsys):
     folder = fake_pipeline(tmp_path / "p", {"bert": {"app": "bert"}}, probes={"bert": {"rte": 60.0, "stsb": 80.0}})
     lines = render(capsys, "3", folder)
     assert "| Model | Params | FLOPs | tps | RTE | STSB | Avg. (2 of 8 tasks) |" in lines
-    assert "| *bert, paper* | 239M | 6.8e19 | 123k | 59.9 | 79.5 | 69.7 |" in lines  # (59.9 + 79.5) / 2
+    assert "| *BERT, paper* | 239M | 6.8e19 | 123k | 59.9 | 79.5 | 69.7 |" in lines  # (59.9 + 79.5) / 2
     assert ("Metrics (dev, in %): RTE accuracy; STSB Spearman correlation. The paper's rows: its numbers on these 2 "
             "tasks, averaged here as ours (its own average is over all 8).") in lines
 
@@ -83,10 +166,10 @@ def test_fewer_glue_tasks_are_averaged_alike_on_both_sides_and_said_so(tmp_path,
 def test_tps_is_per_gpu_in_token_views_as_the_papers(tmp_path, capsys):
     folder = fake_pipeline(tmp_path / "p", {"bert": {"app": "bert"}}, probes={"bert": {"rte": 60.0}}, world=8)
     lines = render(capsys, "3", folder)
-    assert any(line.startswith("| bert | 1.0M | 6.0e16 | 1.0k | 60.0 |") for line in lines)  # 8000 views/s over 8
+    assert any(line.startswith("| BERT | 1.0M | 6.0e16 | 1.0k | 60.0 |") for line in lines)  # 8000 views/s over 8
     assert any("tps, as the paper's: training token-views per second per GPU" in line for line in lines)
     (folder / "bert" / "pretrain" / "train.log").write_text("no process count\n")
-    assert any(line.startswith("| bert | – | 6.0e16 | – | 60.0 |") for line in render(capsys, "3", folder))
+    assert any(line.startswith("| BERT | – | 6.0e16 | – | 60.0 |") for line in render(capsys, "3", folder))
 
 
 @pytest.mark.parametrize("tasks", [
@@ -114,24 +197,34 @@ def test_a_whole_mteb_benchmark_sits_beside_the_papers_and_names_its_metrics(tmp
                            mteb={"crossbert": {"mteb_v2_full": ("MTEB(eng, v2)", summary)}})
     lines = render(capsys, "3", folder)
     title = lines.index("**MTEB(eng, v2), contrastive fine-tuning, whole model**")
-    assert lines[title + 5] == "| *crossbert, paper* | 279M | 4.1e19 | 207k | " + " | ".join(
+    assert lines[title + 5] == "| *CrossBERT, paper* | 279M | 4.1e19 | 207k | " + " | ".join(
         f"{v:.1f}" for v in paper.MTEB[("MTEB(eng, v2)", "full")]["crossbert"]) + " |"
     assert lines[title + 7].startswith("Metrics (in %): each task's main score in mteb (Class. accuracy; ")
     assert "Retriev. ndcg_at_10; STS cosine_spearman" in lines[title + 7]
 
 
-@pytest.mark.parametrize("table, published, label", [
-    ("6", paper.BERT_MASK_RATIO, "mask %"),
-    ("5", paper.CMS, "CMS"),
-])
-def test_glue_ablations_print_the_papers_row_for_each_of_ours(tmp_path, capsys, table, published, label):
-    rows = list(published)
-    folder = fake_pipeline(tmp_path / "p", {f"v{row}": {"row": row} for row in rows},
-                           probes={f"v{row}": {task: 70.0 for task in TASKS} for row in rows})
-    lines = render(capsys, table, folder)
-    for row in rows:
-        assert f"| {label} {row} | " + " | ".join(["70.0"] * 9) + " |" in lines
-        assert f"| *{label} {row}, paper* | " + " | ".join(f"{v:.1f}" for v in published[row]) + " |" in lines
+def test_table6_has_the_papers_columns_and_row_labels(tmp_path, capsys):
+    rows = list(paper.BERT_MASK_RATIO)
+    folder = fake_pipeline(tmp_path / "p", {f"mask{row}": {"row": row} for row in rows},
+                           probes={f"mask{row}": {task: 60.0 + i for i, task in enumerate(TASKS)} for row in rows})
+    lines = render(capsys, "6", folder)
+    assert "| BERT mask | CoLA | MNLI | MRPC | QNLI | QQP | RTE | SST2 | STSB | Avg. |" in lines  # alphabetical
+    assert "| 20% | 66.0 | 60.0 | 65.0 | 61.0 | 62.0 | 63.0 | 64.0 | 67.0 | 63.5 |" in lines
+    # the paper's Table 6 row "20%", as printed: CoLA 27.4, MNLI 58.6, MRPC 76.7, ...
+    assert "| *20%, paper* | 27.4 | 58.6 | 76.7 | 74.8 | 77.7 | 59.9 | 84.9 | 79.5 | 67.4 |" in lines
+    assert "| *65%, paper* | 22.6 | 50.0 | 67.2 | 70.0 | 73.4 | 55.2 | 75.1 | 65.7 | 59.9 |" in lines
+
+
+def test_table5_labels_its_rows_as_the_paper_and_notes_its_cms_row_once(tmp_path, capsys):
+    folder = fake_pipeline(tmp_path / "p", {"cms_off": {"row": "off"}, "cms_on": {"row": "on"}},
+                           probes={name: {task: 70.0 for task in TASKS} for name in ("cms_off", "cms_on")})
+    lines = render(capsys, "5", folder)
+    assert "| Model | CMS | MNLI | QNLI | QQP | RTE | SST2 | MRPC | CoLA | STSB | Avg. |" in lines
+    assert "| CrossBERT 1.0M | ✗ | " + " | ".join(["70.0"] * 9) + " |" in lines
+    assert "| CrossBERT 2.0M | ✓ | " + " | ".join(["70.0"] * 9) + " |" in lines
+    assert "| *CrossBERT 279M, paper* | ✓ | 61.6 | 81.8 | 81.4 | 64.2 | 90.6 | 77.9 | 47.8 | 84.8 | 73.8 |" in lines
+    assert lines.count(paper.NOTES["cms"]["on"]) == 1
+    assert "RTE 64.2 (Table 3: 64.3) and CoLA 47.8 (Table 3: 47.9)" in paper.NOTES["cms"]["on"]
 
 
 def test_table2_averages_each_masking_ratio_beside_the_paper(tmp_path, capsys):
@@ -154,13 +247,17 @@ def test_table7_compares_the_cold_and_warm_pooler_on_mteb(tmp_path, capsys):
     folder = fake_pipeline(tmp_path / "p", {"cold": {"row": "cold"}, "warm": {"row": "warm"}},
                            mteb={name: {"mteb_v2_frozen": ("MTEB(eng, v2)", summary)} for name in ("cold", "warm")})
     lines = render(capsys, "7", folder)
-    assert "| warm | " + " | ".join(["50.0"] * 8) + " | 51.0 |" in lines
-    assert "| *warm, paper* | " + " | ".join(f"{v:.1f}" for v in paper.WARM_START["warm"]) + " |" in lines
+    assert "| Model | Warm-start | Class. | Clust. | PairClass. | Rerank. | Retriev. | STS | Summ. | Avg. | Overall |" \
+        in lines
+    assert "| CrossBERT 2.0M | ✓ | " + " | ".join(["50.0"] * 8) + " | 51.0 |" in lines
+    assert "| *CrossBERT 279M, paper* | ✓ | 70.5 | 40.8 | 77.9 | 44.1 | 43.9 | 71.7 | 26.7 | 53.7 | 56.7 |" in lines
+    assert lines.count(paper.NOTES["warm_start"]["warm"]) == 1
+    assert "Class. 70.5 (Appendix E: 70.4) and Avg. 53.7 (Appendix E: 53.6)" in paper.NOTES["warm_start"]["warm"]
 
 
 def test_a_folder_without_a_pipeline_and_an_unknown_table_are_one_line_errors(tmp_path, capsys):
     for argv, message in ((["table=3", f"dir={tmp_path}"], "holds no pipeline (pipeline.json)"),
-                          (["table=9", f"dir={tmp_path}"], "must be one of 1, 2, 3, 4, 5, 6, 7")):
+                          (["table=8", f"dir={tmp_path}"], "must be one of 1, 2, 3, 4, 5, 6, 7, 9")):
         with pytest.raises(SystemExit) as exit_:
             tables.main(argv)
         assert exit_.value.code == 2 and message in capsys.readouterr().err
@@ -173,11 +270,11 @@ def test_table1_has_a_row_per_layer_with_each_tasks_score_and_the_average(tmp_pa
     (folder / "bert" / "probes_layers").mkdir()
     (folder / "bert" / "probes_layers" / "results.json").write_text(json.dumps({"summary": summary}))
     lines = render(capsys, "1", folder)
-    linear = lines.index("**bert, linear probe**")
+    linear = lines.index("**BERT, linear probe**")
     assert lines[linear + 2:linear + 7] == ["| Model | RTE | SST2 | Avg. (2 of 8 tasks) |", "|---|---|---|---|",
                                             "| Layer 0 | 50.0 | 70.0 | 60.0 |", "| Layer 1 | 51.0 | 71.0 | 61.0 |",
                                             "| Layer 10 | 60.0 | 80.0 | 70.0 |"]
-    knn = lines.index("**bert, knn probe**")
+    knn = lines.index("**BERT, knn probe**")
     assert lines[knn + 4] == "| Layer 0 | 40.0 | 60.0 | 50.0 |"
     assert any(line.startswith("Metrics") and "RTE" in line for line in lines[linear:knn])
 
@@ -187,3 +284,34 @@ def test_table1_without_layer_wise_results_says_what_is_missing(tmp_path, capsys
     with pytest.raises(SystemExit) as exit_:
         render(capsys, "1", folder)
     assert exit_.value.code == 2 and "probes_layers/results.json" in capsys.readouterr().err
+
+
+def test_table9_prints_the_1b_models_alone_with_their_init_std(tmp_path, capsys):
+    apps = ("bert", "electra", "crossbert")
+    folder = fake_pipeline(tmp_path / "p", {app: {"app": app, "init_std": "0.015"} for app in apps},
+                           probes={app: {"rte": 60.0, "cola": 20.0} for app in apps})
+    lines = render(capsys, "9", folder)
+    assert "| Model | Params | FLOPs | tps | Init std | RTE | CoLA | Avg. (2 of 8 tasks) |" in lines
+    assert "| Electra | 2.0M | 6.0e16 | 2.0k | 0.015 | 60.0 | 20.0 | 40.0 |" in lines
+    assert not any("paper" in line and line.startswith("|") for line in lines)  # the paper's table is empty
+
+
+def test_the_miniatures_printout_has_per_gpu_tps_named_metrics_and_the_literature(tmp_path, capsys):
+    """table3_debug.yaml's results, made up in its layout: its variants on one process, its five GLUE tasks, the
+    offline MTEB stand-ins for both benchmarks and protocols."""
+    variants = yaml.safe_load((REPO / "docs" / "pipelines" / "table3_debug.yaml").read_text())["variants"]
+    five = {task: 50.0 for task in ("rte", "sst2", "mrpc", "cola", "stsb")}
+    stand_ins = {"SciFact": ("Retrieval", 1.0), "STSBenchmark": ("STS", 20.0)}
+    summary = {"Retrieval": 1.0, "STS": 20.0, "Avg.": 10.5, "Overall": 10.5}
+    runs = {f"mteb_{v}_{p}": (f"MTEB(eng, {v})", summary, stand_ins) for v in ("v1", "v2") for p in ("frozen", "full")}
+    folder = fake_pipeline(tmp_path / "p", variants, probes={name: five for name in variants},
+                           mteb={name: runs for name in variants}, world=1)
+    lines = render(capsys, "3", folder)
+    assert "| CrossBERT | 2.0M | 6.0e16 | 2.0k | 50.0 | 50.0 | 50.0 | 50.0 | 50.0 | 50.0 |" in lines  # views/s, 1 GPU
+    assert any("tps, as the paper's: training token-views per second per GPU" in line for line in lines)
+    assert sum(line.startswith("Metrics (dev, in %): RTE, SST2 and MRPC accuracy; CoLA Matthews correlation; STSB "
+                               "Spearman correlation.") for line in lines) == 1  # the linear probe
+    assert sum(line.startswith("Metrics (in %): each task's main score in mteb (Retriev. ndcg_at_10; STS "
+                               "cosine_spearman)") for line in lines) == 4
+    assert "## The literature in the paper's Table 3" in lines
+    assert any(line.startswith("| OptiBERT× | 239M | 7.0e19 | – | 67.5 |") for line in lines)

@@ -8,13 +8,16 @@ import yaml
 
 _NUMBERS = yaml.safe_load((Path(__file__).parent / "paper.yaml").read_text())
 
+NAMES: dict[str, str] = _NUMBERS["names"]  # app -> the paper's name of its model (bert -> BERT)
 SINGLE_SCALE: dict[str, list[str]] = _NUMBERS["single_scale"]  # Table 3: parameters, FLOPs, tokens/s
 GLUE_FINETUNE: dict[str, list[float]] = _NUMBERS["glue_finetune"]
 GLUE_LINEAR: dict[str, list[float]] = _NUMBERS["glue_linear"]
 MTEB: dict[tuple[str, str], dict[str, list[float]]] = {  # (benchmark, "full" | "frozen"): {app: scores}
     (benchmark, protocol): rows for benchmark, protocols in _NUMBERS["mteb"].items()
     for protocol, rows in protocols.items()}
+LITERATURE: dict = _NUMBERS["literature"]  # Table 3's other models: shape, and rows per block (paper.yaml)
 CROSSBERT_MASK_RATIO: dict[str, float] = _NUMBERS["crossbert_mask_ratio"]  # Table 2
 CMS: dict[str, list[float]] = _NUMBERS["cms"]  # Table 5
 BERT_MASK_RATIO: dict[str, list[float]] = _NUMBERS["bert_mask_ratio"]  # Table 6
 WARM_START: dict[str, list[float]] = _NUMBERS["warm_start"]  # Table 7
+NOTES: dict[str, dict[str, str]] = _NUMBERS["notes"]  # the paper's inconsistencies: {block: {row: note}}

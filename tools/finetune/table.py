@@ -25,7 +25,7 @@ from lingua.checkpoint import Checkpoint
 from lingua.eval.glue import TASKS
 from lingua.files import atomic_write
 from tools.eval.glue import run_dump_dir
-from tools.paper import GLUE_FINETUNE
+from tools.paper import GLUE_FINETUNE, NAMES
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def format_table(table: dict) -> str:
             published = dict(zip(TASKS, GLUE_FINETUNE[paper]))
             mean = sum(published[name] for name in tasks) / len(tasks)
             cells = "".join(f"{published[name]:>6.1f}" if name in tasks else f"{'-':>6}" for name in TASKS)
-            lines.append(f"{'  paper: ' + paper:<28}{cells}{mean:>6.1f}{partial}")
+            lines.append(f"{'  paper: ' + NAMES[paper]:<28}{cells}{mean:>6.1f}{partial}")
     if any(len(tasks) < len(TASKS) for tasks in table.values()):
         lines.append("* the average of the tasks present, the paper's too (from its per-task numbers; its own average "
                      f"is over all {len(TASKS)})")
