@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from lingua.app import App, build_model
 from lingua.args import UserError, at_least, command_line, dump_config, load_config, require, to_dict
-from lingua.checkpoint import Checkpoint, CheckpointArgs, CheckpointManager, export_consolidated
+from lingua.checkpoint import Checkpoint, CheckpointArgs, CheckpointManager, TrainState, export_consolidated
 from lingua.data import DataArgs, ReadAhead
 from lingua.distributed import (
     DistributedArgs,
@@ -65,6 +65,7 @@ from lingua.metrics import (
 )
 from lingua.optim import OptimArgs, build_optimizer, lr_at, set_lr
 from lingua.resume import architecture_changes, resume
+from lingua.run_folder import RunFolder
 from lingua.step import training_step
 from lingua.tokenizer import build_tokenizer
 from lingua.validation import Evaluator, ValidationArgs, check_validation_split
@@ -99,26 +100,6 @@ class TrainArgs:
 
 
 @dataclass
-class TrainState:
-    """The loop's state on one rank, saved with every checkpoint (train_state_NNNNN.json) beside model and
-    optimizer."""
-
-    step: int = 0
-    data: dict | None = None  # the data loader's position after the last batch of `step`
-    data_tokens: int = 0  # data tokens trained on so far, over all ranks
-    generator: list[int] | None = None  # the masking generator's state (None: start it afresh)
-    evaluation_skipped: bool = False  # the stop that saved this checkpoint skipped its step's evaluation
-    best: dict | None = None  # the validation record where validation.keep_best was highest (best.pt's)
-
-    def state_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, saved: dict[str, Any]) -> "TrainState":
-        return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
-
-
-@dataclass
 class Activity:
     """What this rank is doing, named in the error when a collective fails: the other ranks' logs tell why."""
 
@@ -150,7 +131,7 @@ def train(app: App, args) -> dict[str, Any]:
             dump_dir = Path(args.dump_dir)
             on_all_ranks(lambda: _make_folder(dump_dir))
             with RunLock(dump_dir):
-                setup_logging(dump_dir / "train.log", launch.rank)
+                setup_logging(RunFolder(dump_dir).log, launch.rank)
                 return Trainer(app, args, dump_dir, device, launch, activity).fit()
         except RuntimeError as e:
             kind = collective_failure(e)
@@ -197,7 +178,7 @@ class Trainer:
         check_batch_shape(self.model, app.data.row_shape(args.data), device)
         self.optimizer = build_optimizer(self.model, args.optim)
         self.params = {"app": app.name, "config": to_dict(args)}
-        self.checkpoints = CheckpointManager(dump_dir / "checkpoints", args.checkpoint)
+        self.checkpoints = CheckpointManager(RunFolder(dump_dir).checkpoints, args.checkpoint)
         on_all_ranks(self.checkpoints.check_folder)
         self.checkpoints.remove_leftovers()
         if launch.rank == 0:
@@ -256,12 +237,12 @@ class Trainer:
         with (
             on_every_rank(lambda: ReadAhead(self.app.data.build_loader(args.data, self.tokenizer, self.launch.rank,
                                                                        self.launch.world_size, state.data))) as loader,
-            MetricLogger(self.dump_dir / "metrics.jsonl", step, args.logging, self.params["config"],
+            MetricLogger(RunFolder(self.dump_dir).metrics, step, args.logging, self.params["config"],
                          self.launch.rank == 0) as metrics,
             StopSignal(args.distributed.stop_signal, args.distributed.timeout_minutes) as stop,
         ):
             if self.launch.rank == 0 and step < args.steps:
-                dump_config(args, self.dump_dir / "config.yaml")  # the start has succeeded: the run's config now
+                dump_config(args, RunFolder(self.dump_dir).config)  # the start has succeeded: the run's config now
             app_validate = None if self.app.validate is None else functools.partial(
                 self.app.validate, self.model, self.val_tokens, args, self.device, self.launch)
             evaluator = Evaluator(self.model, self.tokenizer, self.val_tokens, args.validation, args.eval, args.steps,
@@ -303,7 +284,7 @@ class Trainer:
             fail_together(metrics.failure)  # a record of the last step that could not be written
         if step == args.steps:
             activity.now = "the export of consolidated.pt"
-            export_consolidated(self.model, self.params, self.dump_dir / "consolidated.pt")
+            export_consolidated(self.model, self.params, RunFolder(self.dump_dir).consolidated)
         summary = {"steps": step, "first_loss": first_loss, "final_loss": self.last.get("loss"),
                    "data_tokens": state.data_tokens, "seconds": round(time.perf_counter() - start, 1),
                    "stopped_by": stop.agreed,
@@ -335,8 +316,8 @@ class Trainer:
                             f"{', '.join(k for k in record if k != 'step')})")
         if self.state.best is None or record[key] > self.state.best[key]:
             self.state.best = record
-            export_consolidated(self.model, self.params, self.dump_dir / "best.pt")
-            on_all_ranks(lambda: _write_json(self.dump_dir / "best.json", record))
+            export_consolidated(self.model, self.params, RunFolder(self.dump_dir).best_weights)
+            on_all_ranks(lambda: _write_json(RunFolder(self.dump_dir).best_record, record))
 
     def _save(self, step: int, loader: ReadAhead, stopping: bool) -> None:
         self.guard.check_before_save(self.model, step)  # a non-finite state never becomes a checkpoint

@@ -30,6 +30,7 @@ from lingua.eval.glue import task_scores
 from lingua.optim import OptimArgs
 from lingua.parallel import autocast
 from lingua.pretrained import adopt_pretrained, load_pretrained
+from lingua.run_folder import RunFolder
 from lingua.train import App, TrainArgs, main
 
 GLUE = DataPipeline(GlueLoader, load_dev_rows, repartition_position, row_shape)
@@ -82,7 +83,7 @@ def configure(args: FinetuneTrainArgs) -> FinetuneTrainArgs:
 
 def started_config(dump_dir: Path) -> dict | None:
     """The config of a run being resumed (one that saved a checkpoint), else None."""
-    if CheckpointManager(dump_dir / "checkpoints", CheckpointArgs()).latest() is None:
+    if CheckpointManager(RunFolder(dump_dir).checkpoints, CheckpointArgs()).latest() is None:
         return None
     return Checkpoint.open(dump_dir).config
 
