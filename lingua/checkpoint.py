@@ -84,8 +84,7 @@ class TrainState:
     optimizer. A saved state holds the fields marked SAVED_ALWAYS, not None; the others may be absent."""
 
     step: int = field(default=0, metadata=SAVED_ALWAYS)
-    data: dict | None = field(default=None, metadata=SAVED_ALWAYS)  # the data loader's position after the last
-    # batch of `step`
+    data: dict | None = field(default=None, metadata=SAVED_ALWAYS)  # where the data loader is after `step`
     data_tokens: int = field(default=0, metadata=SAVED_ALWAYS)  # data tokens trained on so far, over all ranks
     generator: list[int] | None = None  # the masking generator's state (None: start it afresh)
     evaluation_skipped: bool = False  # the stop that saved this checkpoint skipped its step's evaluation
@@ -331,10 +330,13 @@ def build_from_params(params: dict, device: str | torch.device = "cpu"):
     """The (initialised, untrained) model, config and tokenizer of {"app": module, "config": dict}."""
     from lingua.tokenizer import build_tokenizer
 
+    name = params["app"]
     try:
-        app = load_app(params["app"])
-    except (UserError, ImportError) as e:
-        raise UserError(f"the checkpoint's app {params['app']!r} cannot be imported ({short_reason(e)})") from None
+        app = load_app(name)
+    except UserError:
+        raise UserError(f"the checkpoint's app {name!r} is not in this code (no module defines its APP)") from None
+    except ImportError as e:  # the app is there, but not what it imports
+        raise UserError(f"the checkpoint's app {name!r} cannot be imported ({short_reason(e)})") from None
     config = from_dict(app.args_cls, params["config"])
     tokenizer = build_tokenizer(config.data.tokenizer)
     return build_model(app.build_model, config.model, tokenizer, torch.device(device)), config, tokenizer
