@@ -178,14 +178,20 @@ def short_name(module: str) -> str:
 
 
 def load_app(name: str) -> App:
-    """The App of `name`: apps/<name>/train.py, else the package <name>'s train.py (an app outside apps/)."""
-    for module in (f"apps.{name}.train", f"{name}.train"):
+    """The App that `name` names: an app (`bert`: apps/bert/train.py; `toy`: the package toy's train.py, an app
+    outside apps/) or the module that defines APP (`apps.bert.train`: what checkpoints store and stool runs)."""
+    importable = all(part.isidentifier() for part in name.split("."))
+    for module in (f"apps.{name}.train", f"{name}.train", name) if importable else ():
         try:
-            return import_module(module).APP
+            found = import_module(module)
         except ModuleNotFoundError as e:
-            if e.name not in (module, module.rpartition(".")[0]):
+            if e.name is None or not f"{module}.".startswith(f"{e.name}."):
                 raise  # the app exists but imports something missing
-    raise UserError(f"unknown app '{name}' (an app is a package with a train.py defining APP, e.g. apps/{name}/)")
+            continue
+        if isinstance(getattr(found, "APP", None), App):
+            return found.APP
+    raise UserError(f"unknown app '{name}' (not a module defining APP, nor a package with a train.py that does: e.g. "
+                    "apps.bert.train, bert for apps/bert/)")
 
 
 def app_variant(label: str, base: dict[str, Any]) -> tuple[App, Any]:

@@ -1,12 +1,12 @@
 """Checkpoints with torch.distributed.checkpoint (DCP), resume, and export of consolidated weights.
 
-Layout of a run's dump_dir:
-    checkpoints/0000001000/        one complete checkpoint: DCP shards of model + optimizer,
+Layout of a run's checkpoints/ (the rest of its dump_dir: lingua/run_folder.py):
+    0000001000/                    one complete checkpoint: DCP shards of model + optimizer,
         params.json                the app and the resolved config (enough to rebuild the model),
-        train_state_00000.json     each rank's loop state (step, data loader, masking RNG),
+        train_state_00000.json     each rank's loop state (`TrainState`: step, data loader, masking RNG),
         manifest.json              every file's size, written last: a missing or truncated file shows before loading
-    checkpoints/0000000900.damaged a checkpoint that failed to load, set aside: never loaded, counted or pruned
-    consolidated.pt                the final weights in one file, with the app and the config
+    0000000900.damaged             a checkpoint that failed to load, set aside: never loaded, counted or pruned
+The run's consolidated.pt holds the final weights in one file, with the app and the config.
 
 A checkpoint is written to a `.tmp` folder and renamed once every file and the folder are flushed to disk (the
 manifest last), so a process killed while saving leaves the previous checkpoint in force; a save that fails (a full
@@ -22,17 +22,19 @@ Nothing in a checkpoint folder is unpickled without restriction (`lingua.safe_dc
 """
 
 import contextlib
+import dataclasses
 import errno
-import importlib
 import json
 import logging
 import os
 import re
 import shutil
 import sys
+import typing
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -48,17 +50,18 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lingua import safe_dcp
-from lingua.app import build_model
+from lingua.app import build_model, load_app
 from lingua.args import UserError, at_least, from_dict
 from lingua.distributed import all_reduce, fail_together, on_all_ranks, rank_and_world
 from lingua.files import atomic_write, fsync_dir
+from lingua.run_folder import CONSOLIDATED, RunFolder
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = re.compile(r"^\d{10}$")
 LEFTOVER_NAME = re.compile(r"^\d{10}\.(tmp|deleting|replaced)$")
-CONSOLIDATED = "consolidated.pt"
 MANIFEST = "manifest.json"
+PARAMS = "params.json"
 LOW_DISK_BYTES = 2**20  # a save that fails with less free space than this failed because the disk is full
 
 
@@ -70,6 +73,41 @@ class CheckpointArgs:
     def __post_init__(self):
         at_least(self, 1, "every")
         at_least(self, 0, "keep")
+
+
+SAVED_ALWAYS = {"saved_always": True}  # the metadata of the TrainState fields that every saved state holds
+
+
+@dataclass
+class TrainState:
+    """The loop's state on one rank, saved with every checkpoint (train_state_NNNNN.json) beside model and
+    optimizer. A saved state holds the fields marked SAVED_ALWAYS, not None; the others may be absent."""
+
+    step: int = field(default=0, metadata=SAVED_ALWAYS)
+    data: dict | None = field(default=None, metadata=SAVED_ALWAYS)  # where the data loader is after `step`
+    data_tokens: int = field(default=0, metadata=SAVED_ALWAYS)  # data tokens trained on so far, over all ranks
+    generator: list[int] | None = None  # the masking generator's state (None: start it afresh)
+    evaluation_skipped: bool = False  # the stop that saved this checkpoint skipped its step's evaluation
+    best: dict | None = None  # the validation record where validation.keep_best was highest (best.pt's)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> "TrainState":
+        return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
+
+    @classmethod
+    def saved_fields(cls) -> dict[str, type]:
+        """{name: type} of the fields every saved state holds, from their annotations (None left out)."""
+        hints = typing.get_type_hints(cls)
+        return {f.name: _not_none(hints[f.name]) for f in dataclasses.fields(cls) if f.metadata.get("saved_always")}
+
+
+def _not_none(annotation) -> type:
+    """The class an annotation such as `dict | None` asks for: dict."""
+    kinds = [kind for kind in typing.get_args(annotation) if kind is not type(None)] or [annotation]
+    return typing.get_origin(kinds[0]) or kinds[0]
 
 
 class DamagedCheckpoint(Exception):
@@ -128,7 +166,7 @@ def verify(path: Path) -> dict:
                 raise DamagedCheckpoint(f"{name} is missing")
             if file.stat().st_size != size:
                 raise DamagedCheckpoint(f"{name} has {file.stat().st_size} bytes, {size} were written")
-    return _read_json(path / "params.json", {"app": str, "config": dict})
+    return _read_json(path / PARAMS, {"app": str, "config": dict})
 
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -229,7 +267,7 @@ class CheckpointManager:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         atomic_write(tmp / f"train_state_{rank:05d}.json", json.dumps(train_state))  # flushed, as DCP's files are
         if rank == 0:
-            atomic_write(tmp / "params.json", json.dumps(params))
+            atomic_write(tmp / PARAMS, json.dumps(params))
 
     def _complete(self, final: Path, tmp: Path) -> None:
         """Rank 0, once every rank has written its part: the manifest, then the rename that makes it complete. At
@@ -292,18 +330,16 @@ def build_from_params(params: dict, device: str | torch.device = "cpu"):
     """The (initialised, untrained) model, config and tokenizer of {"app": module, "config": dict}."""
     from lingua.tokenizer import build_tokenizer
 
-    app = import_app(params["app"])
+    name = params["app"]
+    try:
+        app = load_app(name)
+    except UserError:
+        raise UserError(f"the checkpoint's app {name!r} is not in this code (no module defines its APP)") from None
+    except ImportError as e:  # the app is there, but not what it imports
+        raise UserError(f"the checkpoint's app {name!r} cannot be imported ({short_reason(e)})") from None
     config = from_dict(app.args_cls, params["config"])
     tokenizer = build_tokenizer(config.data.tokenizer)
     return build_model(app.build_model, config.model, tokenizer, torch.device(device)), config, tokenizer
-
-
-def import_app(name: str):
-    """The App that module `name` defines (a checkpoint names the module it was trained by)."""
-    try:
-        return importlib.import_module(name).APP
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"the checkpoint's app {name!r} cannot be imported ({short_reason(e)})") from None
 
 
 class Checkpoint:
@@ -339,13 +375,14 @@ class Checkpoint:
         path = Path(path)
         if not path.exists():
             raise UserError(f"checkpoint not found: {path}")
-        if path.is_dir() and not (path / "params.json").exists():
-            latest = CheckpointManager(path / "checkpoints", CheckpointArgs()).latest()
+        if path.is_dir() and not (path / PARAMS).exists():
+            run = RunFolder(path)
+            latest = CheckpointManager(run.checkpoints, CheckpointArgs()).latest()
             if latest is not None:
                 return latest
-            if not (path / CONSOLIDATED).exists():
-                raise UserError(f"no complete checkpoint, consolidated.pt or params.json found in {path}")
-            return path / CONSOLIDATED
+            if not run.finished:
+                raise UserError(f"no complete checkpoint, {CONSOLIDATED} or {PARAMS} found in {path}")
+            return run.consolidated
         return path
 
     @classmethod
@@ -400,7 +437,7 @@ class Checkpoint:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if not parameters_finite(model, optimizer):  # bytes corrupted in place (the size is right)
             raise DamagedCheckpoint("its weights or optimizer state are not all finite")
-        keys = {"step": int, "data_tokens": int, "data": dict}
+        keys = TrainState.saved_fields()
         return [_read_json(file, keys) for file in sorted(self.path.glob("train_state_*.json"))]
 
     def load(self, device: str | torch.device = "cpu"):

@@ -18,6 +18,7 @@ from lingua.checkpoint import Checkpoint
 from lingua.distributed import resolve_device
 from lingua.eval.features import extract_features
 from lingua.pooler import mean_pool_normalised
+from lingua.run_folder import CONSOLIDATED, RunFolder
 
 POOLINGS = ("auto", "mean")
 
@@ -62,6 +63,6 @@ def load_embedder(path: str, device: str = "auto", pooling: str = "auto", max_le
     if max_len < 0 or max_len > longest or 0 < max_len < 3:
         raise UserError(f"max_len must be 0 (the run's training length) or 3..{longest}, got {max_len}")
     max_len = max_len or min(config.data.seq_len, longest)
-    run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
-    name = run.name if checkpoint.is_dir() or checkpoint.name == "consolidated.pt" else checkpoint.stem
+    of_run = checkpoint.is_dir() or checkpoint.name == CONSOLIDATED  # named after its run, another file after itself
+    name = RunFolder.of(checkpoint).root.name if of_run else checkpoint.stem
     return Embedder(model, tokenizer, max_len, resolved, name, pooling)

@@ -45,6 +45,7 @@ from lingua.eval.report import format_table
 from lingua.files import atomic_write, fsync_dir
 from lingua.masking import MaskedLMHead
 from lingua.metrics import setup_logging
+from lingua.run_folder import RunFolder
 from lingua.transformer import ffn_hidden_dim, head_dim_of
 
 logger = logging.getLogger(__name__)
@@ -333,17 +334,10 @@ def sentence_transformers_files(max_len: int) -> dict[str, str]:
 # ----------------------------------------------------------------------------------------------------- model card
 
 
-def run_folder(checkpoint: Path) -> Path:
-    """DUMP_DIR for DUMP_DIR/checkpoints/NNN and DUMP_DIR/consolidated.pt."""
-    if checkpoint.parent.name == "checkpoints":
-        return checkpoint.parent.parent
-    return checkpoint.parent if checkpoint.is_file() else checkpoint
-
-
-def last_metrics(run: Path) -> dict | None:
+def last_metrics(run: RunFolder) -> dict | None:
     """The last record of the run's metrics.jsonl that counts data tokens (a line that does not parse is skipped)."""
     try:
-        lines = (run / "metrics.jsonl").read_text().splitlines()
+        lines = run.metrics.read_text().splitlines()
     except OSError:
         return None
     for line in reversed(lines):
@@ -356,11 +350,11 @@ def last_metrics(run: Path) -> dict | None:
     return None
 
 
-def probe_tables(run: Path) -> list[str]:
+def probe_tables(run: RunFolder) -> list[str]:
     """The GLUE probe tables of every `glue_eval/*/results.json` of the run (a file that does not parse is left
     out, with a warning)."""
     tables = []
-    for path in sorted(run.glob("glue_eval/*/results.json")):
+    for path in run.evaluation_results("glue"):
         try:
             tables.append(f"`{path.parent.name}`:\n\n```\n{format_table(json.loads(path.read_text()))}\n```")
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -428,7 +422,7 @@ def heads_row(config: dict) -> str:
 
 
 def model_card(checkpoint: Path, params: dict, embedder: Embedder, pooler, config: dict) -> str:
-    run = run_folder(checkpoint)
+    run = RunFolder.of(checkpoint)
     probes = probe_tables(run) or ["No `glue_eval/*/results.json` next to the run."]
     return "\n".join([
         "---", "library_name: transformers",
@@ -441,7 +435,7 @@ def model_card(checkpoint: Path, params: dict, embedder: Embedder, pooler, confi
         "## Frozen GLUE probes", "", *probes, "", USAGE, heads_usage(config)])
 
 
-def card_rows(run: Path, train: dict, embedder: Embedder, pooler, config: dict) -> list[str]:
+def card_rows(run: RunFolder, train: dict, embedder: Embedder, pooler, config: dict) -> list[str]:
     """The model card's table: shape, size, vocabulary, input, training, pooling and heads."""
     encoder_params = sum(p.numel() for p in embedder.model.backbone.parameters())
     pooler_params = sum(p.numel() for p in pooler.parameters()) if pooler is not None else 0

@@ -16,6 +16,7 @@ from typing import Any
 
 from lingua.args import UserError, at_least, require
 from lingua.files import atomic_write, fsync_dir
+from lingua.run_folder import JOB_RECORD
 
 CODE_PACKAGES = ("lingua", "apps", "tools")  # copied whole (configs, data files) into each submission's code/HASH
 CLUSTERS = ("slurm", "local")
@@ -127,14 +128,14 @@ def refused_by_slurm(consequence: str):
 
 def write_job_record(folder: Path, job, code: Path, **fields: str) -> None:
     """folder/job.json: the submitted job's id and submitit folder, the code snapshot it runs, and `fields`."""
-    atomic_write(folder / "job.json", json.dumps({"job_id": str(job.job_id), "folder": str(job.paths.folder),
+    atomic_write(folder / JOB_RECORD, json.dumps({"job_id": str(job.job_id), "folder": str(job.paths.folder),
                                                   **fields, "code": str(code)}))
 
 
 def read_job_record(folder: Path) -> tuple[dict[str, Any] | None, str]:
     """(folder/job.json, the record stool wrote at submission, or None; why it is None when the file is there but
     unusable: not a JSON object, or no job id of submitit's form). Only its job id is trusted, never a path."""
-    path = folder / "job.json"
+    path = folder / JOB_RECORD
     if not path.exists():
         return None, ""
     try:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lingua.args import UserError
 from lingua.distributed import DistributedArgs, fail_together, on_all_ranks, rank_and_world
 from lingua.files import fsync_dir
+from lingua.run_folder import RunFolder
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +264,7 @@ class RunLock:
     """
 
     def __init__(self, dump_dir: Path, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
-        self.path = Path(dump_dir) / ".lock"
+        self.path = RunFolder(Path(dump_dir)).lock
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self.descriptor: int | None = None  # of this process's lease, while it holds one (rank 0)
         self.lease: Lease | None = None

@@ -60,6 +60,7 @@ from lingua.launcher import (
     write_job_record,
 )
 from lingua.lifecycle import boot_id, process_start
+from lingua.run_folder import CODE, JOB_RECORD, SUBMITIT
 
 FORWARDED_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # a scheduler's stop signals
 PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1)  # the time limit's warning, a preemption: the job goes back
@@ -375,7 +376,7 @@ def _slurm_job_active(dump_dir: Path, job_id: str) -> bool:
     """Whether SLURM still holds the job (of the pipeline's submitit folder, not one a record names)."""
     import submitit
 
-    state = submitit.SlurmJob(dump_dir / "submitit", job_id).state  # "CANCELLED by 0": the first word
+    state = submitit.SlurmJob(dump_dir / SUBMITIT, job_id).state  # "CANCELLED by 0": the first word
     return (state.split() or ["UNKNOWN"])[0] not in FINAL_SLURM_STATES
 
 
@@ -393,7 +394,7 @@ def launch(pipeline: Pipeline, launcher_argv: list[str]) -> None:
     _refuse_changed_stages(pipeline)
     pipeline.dump_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(pipeline.dump_dir / "pipeline.json", json.dumps(pipeline.record(), indent=1))
-    code = snapshot_code(pipeline.dump_dir / "code")
+    code = snapshot_code(pipeline.dump_dir / CODE)
     if args.cluster == "local":
         run_local(pipeline, code)
     else:
@@ -412,7 +413,7 @@ def _refuse_changed_stages(pipeline: Pipeline) -> None:
 
 
 def _recorded_line(folder: Path) -> str:
-    for name in ("done.json", "job.json", "started.json"):
+    for name in ("done.json", JOB_RECORD, "started.json"):
         record = _read_json(folder / name)
         if record is not None and "line" in record:
             return record["line"]
@@ -474,7 +475,7 @@ def submit_slurm(pipeline: Pipeline, launcher_argv: list[str], code: Path) -> No
             continue
         waits = [job_ids[need] for need in stage.after if need in job_ids]
         dependency = {"dependency": "afterok:" + ":".join(waits)} if waits else {}
-        executor = executor_for(stage_launcher(launcher_argv, stage), pipeline.dump_dir / "submitit", code,
+        executor = executor_for(stage_launcher(launcher_argv, stage), pipeline.dump_dir / SUBMITIT, code,
                                 **{"kill-on-invalid-dep": "yes", **dependency})
         executor.update_parameters(slurm_job_name=stage.name)
         folder.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ from lingua.args import UserError, config_changes, to_dict
 from lingua.checkpoint import Checkpoint, CheckpointArgs, CheckpointManager, DamagedCheckpoint, verify
 from lingua.distributed import Launch, agreed_failure, barrier, broadcast_object, on_every_rank
 from lingua.optim import lr_at
+from lingua.run_folder import RunFolder
 from lingua.transformer import architecture_fields
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def open_start(app: App, args, world_size: int) -> Start:
 def resumed_config(dump_dir: Path) -> dict | None:
     """The config of the newest checkpoint in dump_dir whose files are all there (its params.json: no tensor, no
     pickle is read); None for a new run."""
-    for path in reversed(CheckpointManager(dump_dir / "checkpoints", CheckpointArgs()).complete_checkpoints()):
+    for path in reversed(CheckpointManager(RunFolder(dump_dir).checkpoints, CheckpointArgs()).complete_checkpoints()):
         try:
             return verify(path)["config"]
         except DamagedCheckpoint:
@@ -100,8 +101,9 @@ def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, args) -> s
     if checkpoints.damaged_checkpoints():
         return UserError(f"no checkpoint in {checkpoints.folder} loads (the damaged ones are kept as *.damaged): "
                          "delete them to start this run from scratch, or use another dump_dir")
-    if (checkpoints.folder.parent / "consolidated.pt").exists():  # its history would be overwritten
-        return UserError(f"{checkpoints.folder.parent} holds the export of a finished run but no checkpoint to "
+    run = RunFolder(Path(args.dump_dir))
+    if run.finished:  # its history would be overwritten
+        return UserError(f"{run.root} holds the export of a finished run but no checkpoint to "
                          "resume from: use another dump_dir (init_from= starts from its weights)")
     return None
 
@@ -109,7 +111,7 @@ def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, args) -> s
 def check_same_model(checkpoint: Checkpoint, model, app: App, args) -> None:
     """The checkpoint is of this app, its tensors fit the model, and no architecture setting changed (some, like
     n_heads at a fixed dim, change the computation but not the shapes)."""
-    run = checkpoint.path.parent.parent
+    run = RunFolder.of(checkpoint.path).root
     if checkpoint.app_name != app.name:
         raise UserError(f"{run} holds a run of {checkpoint.app_name}, not {app.name}: use another dump_dir")
     architecture = architecture_changes(checkpoint.config, args)

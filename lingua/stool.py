@@ -40,13 +40,13 @@ import shlex
 import signal
 import sys
 from dataclasses import dataclass
-from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from lingua import pipeline
+from lingua.app import load_app
 from lingua.args import UserError, command_line, from_dict, load_config, parse_assignment, read_yaml, set_dotted
 from lingua.files import atomic_write
 from lingua.launcher import (
@@ -59,6 +59,7 @@ from lingua.launcher import (
     write_job_record,
 )
 from lingua.metrics import read_metrics
+from lingua.run_folder import CODE, SUBMITIT, RunFolder
 
 PATH_KEYS = ("dump_dir", "data.root_dir", "data.path", "data.tokenizer.path", "init_from", "eval.data")  # made absolute
 
@@ -76,7 +77,7 @@ class PlannedRun:
 def resolve_config(script: str, config_path: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The training config of `script` from its YAML and dotted overrides, checked by the app's own dataclass (a
     mistake fails here, before anything is submitted), with its paths made absolute (the job runs elsewhere)."""
-    app = _load_app(script)
+    app = load_app(script)
     tree = read_yaml(config_path) if config_path else {}
     for key, value in overrides.items():
         set_dotted(tree, key, value)
@@ -95,15 +96,6 @@ def resolve_config(script: str, config_path: str, overrides: dict[str, Any]) -> 
 def _yaml_value(value: Any) -> str:
     return value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True).strip().removesuffix(
         "\n...")
-
-
-def _load_app(script: str):
-    try:
-        return import_module(script).APP
-    except ModuleNotFoundError:
-        raise UserError(f"script '{script}' is not a module of this repository (e.g. apps.bert.train)") from None
-    except AttributeError:
-        raise UserError(f"script '{script}' defines no APP: it is not a training script") from None
 
 
 def plan_sweep(sweep_file: str) -> tuple[Path, list[PlannedRun], dict[str, Any]]:
@@ -171,7 +163,7 @@ def prepare(run: PlannedRun) -> None:
     the one submitted there before (nothing is lost). A run may derive its config.yaml from it (fine-tuning: its
     steps from epochs), so submitting the same run again compares what was submitted, not what the run wrote."""
     run.dump_dir.mkdir(parents=True, exist_ok=True)
-    submitted = run.dump_dir / "submitted.yaml"
+    submitted = RunFolder(run.dump_dir).submitted
     if submitted.exists() and yaml.safe_load(submitted.read_text()) != run.config:
         raise UserError(f"{run.dump_dir} already holds a run submitted with another config: use another dump_dir")
     atomic_write(submitted, yaml.safe_dump(run.config, sort_keys=False))
@@ -182,7 +174,7 @@ def train_job(script: str, config_file: str) -> None:
     nothing, so that submitit's result file holds plain data that status reads without running code."""
     from lingua.train import train
 
-    app = import_module(script).APP
+    app = load_app(script)
     train(app, load_config(app.args_cls, [f"config={config_file}"]))
 
 
@@ -191,8 +183,8 @@ def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
     local waves of `parallel` runs."""
     for run in runs:
         prepare(run)
-    code = snapshot_code(folder / "code")
-    executor = executor_for(args, folder / "submitit", code)
+    code = snapshot_code(folder / CODE)
+    executor = executor_for(args, folder / SUBMITIT, code)
     if args.cluster == "slurm":
         with refused_by_slurm(f"the job of {len(runs)} run(s): nothing was submitted"), executor.batch():
             jobs = [_submit_one(executor, run, code) for run in runs]
@@ -247,7 +239,7 @@ def _cancelled_when_interrupted(jobs: list):
 
 def _submit_one(executor, run: PlannedRun, code: Path):
     with contextlib.chdir(code):  # submitit's local jobs start where they are submitted from
-        return executor.submit(train_job, run.script, str(run.dump_dir / "submitted.yaml"))
+        return executor.submit(train_job, run.script, str(RunFolder(run.dump_dir).submitted))
 
 
 def _record(run: PlannedRun, job, code: Path) -> None:
@@ -266,9 +258,10 @@ def describe(dump_dir: Path) -> dict[str, Any]:
     info = {"state": "missing", "reason": "", "step": None, "loss": None, "val_loss": None}
     if not dump_dir.is_dir():
         return info
-    config = _read_yaml_mapping(dump_dir / "config.yaml")
+    run = RunFolder(dump_dir)
+    config = _read_yaml_mapping(run.config)
     steps = config.get("steps") if isinstance(config.get("steps"), int) else None
-    for record in read_metrics(dump_dir / "metrics.jsonl") if (dump_dir / "metrics.jsonl").is_file() else []:
+    for record in read_metrics(run.metrics) if run.metrics.is_file() else []:
         if isinstance(record, dict):
             info["step"] = record["step"] if isinstance(record.get("step"), int) else info["step"]
             info["loss"] = record.get("loss", info["loss"])
@@ -283,7 +276,7 @@ def describe(dump_dir: Path) -> dict[str, Any]:
     elif outcome == "success" and not _newer_log(dump_dir):
         info["state"], info["reason"] = "stopped", "the job ended before the last step (a stop signal: resubmit)"
     else:
-        info["state"] = "running" if (dump_dir / "train.log").exists() else "pending"
+        info["state"] = "running" if run.log.exists() else "pending"
     return info
 
 
@@ -299,14 +292,14 @@ def _read_yaml_mapping(path: Path) -> dict[str, Any]:
 def _newer_log(dump_dir: Path) -> bool:
     """A requeued job writes its log after the result file of its previous attempt."""
     job, _ = read_job_record(dump_dir)
-    results, log = _result_files(dump_dir, job["job_id"]) if job else [], dump_dir / "train.log"
+    results, log = _result_files(dump_dir, job["job_id"]) if job else [], RunFolder(dump_dir).log
     return bool(results) and log.exists() and log.stat().st_mtime > max(r.stat().st_mtime for r in results)
 
 
 def submitit_folder(dump_dir: Path) -> Path:
     """The submitit folder stool chose for the run's job: its sweep's for a run of a sweep, its own otherwise. It is
     derived from where the run is, never read from a file of the run."""
-    return dump_dir.parent / "submitit" if (dump_dir.parent / "sweep.json").exists() else dump_dir / "submitit"
+    return dump_dir.parent / SUBMITIT if (dump_dir.parent / "sweep.json").exists() else dump_dir / SUBMITIT
 
 
 def _result_files(dump_dir: Path, job_id: str) -> list[Path]:

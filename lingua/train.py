@@ -18,7 +18,6 @@ machines back) saves a checkpoint and exits 0 on every rank, so torchrun and sru
 job is requeued and resumes by itself.
 """
 
-import dataclasses
 import json
 import logging
 import math
@@ -33,7 +32,7 @@ import torch.distributed as dist
 
 from lingua.app import App, build_model
 from lingua.args import UserError, at_least, command_line, dump_config, load_config, require, to_dict
-from lingua.checkpoint import CheckpointArgs, CheckpointManager, export_consolidated
+from lingua.checkpoint import CheckpointArgs, CheckpointManager, TrainState, export_consolidated
 from lingua.data import DataArgs, ReadAhead
 from lingua.distributed import (
     DistributedArgs,
@@ -65,6 +64,7 @@ from lingua.metrics import (
 )
 from lingua.optim import OptimArgs, build_optimizer, lr_at, set_lr
 from lingua.resume import Start, architecture_changes, open_start, resume
+from lingua.run_folder import RunFolder
 from lingua.step import training_step
 from lingua.tokenizer import build_tokenizer
 from lingua.validation import EvalContext, ValidationArgs, build_evaluations, check_evaluations
@@ -99,26 +99,6 @@ class TrainArgs:
 
 
 @dataclass
-class TrainState:
-    """The loop's state on one rank, saved with every checkpoint (train_state_NNNNN.json) beside model and
-    optimizer."""
-
-    step: int = 0
-    data: dict | None = None  # the data loader's position after the last batch of `step`
-    data_tokens: int = 0  # data tokens trained on so far, over all ranks
-    generator: list[int] | None = None  # the masking generator's state (None: start it afresh)
-    evaluation_skipped: bool = False  # the stop that saved this checkpoint skipped its step's evaluation
-    best: dict | None = None  # the validation record where validation.keep_best was highest (best.pt's)
-
-    def state_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, saved: dict[str, Any]) -> "TrainState":
-        return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
-
-
-@dataclass
 class Activity:
     """What this rank is doing, named in the error when a collective fails: the other ranks' logs tell why."""
 
@@ -147,11 +127,11 @@ def train(app: App, args) -> dict[str, Any]:
         init_process_group(launch, device, args.distributed.timeout_minutes)
         activity = Activity("the start-up")
         try:
-            dump_dir = Path(args.dump_dir)
-            on_all_ranks(lambda: _make_folder(dump_dir))
-            with RunLock(dump_dir):
-                setup_logging(dump_dir / "train.log", launch.rank)
-                return Trainer(app, args, start, dump_dir, device, launch, activity).fit()
+            run = RunFolder(Path(args.dump_dir))
+            on_all_ranks(lambda: _make_folder(run.root))
+            with RunLock(run.root):
+                setup_logging(run.log, launch.rank)
+                return Trainer(app, args, start, run, device, launch, activity).fit()
         except RuntimeError as e:
             kind = collective_failure(e)
             if kind is None:
@@ -184,21 +164,21 @@ def _make_folder(folder: Path) -> None:
 class Trainer:
     """One run on this rank: set up on construction (model, optimizer, resume, data, evaluation), trained by `fit`."""
 
-    def __init__(self, app: App, args, start: Start, dump_dir: Path, device: torch.device, launch: Launch,
+    def __init__(self, app: App, args, start: Start, run: RunFolder, device: torch.device, launch: Launch,
                  activity: Activity):
-        self.app, self.args, self.start, self.dump_dir, self.device, self.launch, self.activity = \
-            app, args, start, dump_dir, device, launch, activity
+        self.app, self.args, self.start, self.run, self.device, self.launch, self.activity = \
+            app, args, start, run, device, launch, activity
         self.tokenizer = build_tokenizer(args.data.tokenizer)
         self.model = build_model(app.build_model, args.model, self.tokenizer, device, args.seed,
                                  (args.distributed, launch), plan=app.parallelize)
         check_batch_shape(self.model, app.data.row_shape(args.data), device)
         self.optimizer = build_optimizer(self.model, args.optim)
         self.params = {"app": app.name, "config": to_dict(args)}
-        self.checkpoints = CheckpointManager(dump_dir / "checkpoints", args.checkpoint)
+        self.checkpoints = CheckpointManager(run.checkpoints, args.checkpoint)
         on_all_ranks(self.checkpoints.check_folder)
         self.checkpoints.remove_leftovers()
         if launch.rank == 0:
-            for partial in remove_partial_writes(dump_dir):
+            for partial in remove_partial_writes(run.root):
                 logger.info(f"removed {partial.name}, left by a process killed while writing it")
         self.generator = torch.Generator(device).manual_seed(args.seed + launch.rank)  # the masking's draws
         self.state = self._start_state()
@@ -246,17 +226,17 @@ class Trainer:
         args, state, activity = self.args, self.state, self.activity
         step, first_loss, self.last = state.step, None, {}
         if step >= args.steps:
-            logger.info(f"{self.dump_dir} already holds a finished run of {step} steps: nothing to train")
+            logger.info(f"{self.run.root} already holds a finished run of {step} steps: nothing to train")
         start = time.perf_counter()
         with (
             on_every_rank(lambda: ReadAhead(self.app.data.build_loader(args.data, self.tokenizer, self.launch.rank,
                                                                        self.launch.world_size, state.data))) as loader,
-            MetricLogger(self.dump_dir / "metrics.jsonl", step, args.logging, self.params["config"],
+            MetricLogger(self.run.metrics, step, args.logging, self.params["config"],
                          self.launch.rank == 0) as metrics,
             StopSignal(args.distributed.stop_signal, args.distributed.timeout_minutes) as stop,
         ):
             if self.launch.rank == 0 and step < args.steps:
-                dump_config(args, self.dump_dir / "config.yaml")  # the start has succeeded: the run's config now
+                dump_config(args, self.run.config)  # the start has succeeded: the run's config now
             activity.now = f"the agreement before step {step + 1}"
             stopping = step < args.steps and agree(stop, loader.prepare(args.grad_acc_steps))
             if state.evaluation_skipped and not stopping:  # the stop that saved this checkpoint skipped it
@@ -294,7 +274,7 @@ class Trainer:
             fail_together(metrics.failure)  # a record of the last step that could not be written
         if step == args.steps:
             activity.now = "the export of consolidated.pt"
-            export_consolidated(self.model, self.params, self.dump_dir / "consolidated.pt")
+            export_consolidated(self.model, self.params, self.run.consolidated)
         summary = {"steps": step, "first_loss": first_loss, "final_loss": self.last.get("loss"),
                    "data_tokens": state.data_tokens, "seconds": round(time.perf_counter() - start, 1),
                    "stopped_by": stop.agreed,
@@ -335,8 +315,8 @@ class Trainer:
                             f"{', '.join(k for k in record if k != 'step')})")
         if self.state.best is None or record[key] > self.state.best[key]:
             self.state.best = record
-            export_consolidated(self.model, self.params, self.dump_dir / "best.pt")
-            on_all_ranks(lambda: _write_json(self.dump_dir / "best.json", record))
+            export_consolidated(self.model, self.params, self.run.best_weights)
+            on_all_ranks(lambda: _write_json(self.run.best_record, record))
 
     def _save(self, step: int, loader: ReadAhead, stopping: bool) -> None:
         self.guard.check_before_save(self.model, step)  # a non-finite state never becomes a checkpoint

@@ -34,6 +34,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # a script, run from anywhere: the library beside it
+from lingua.run_folder import RunFolder  # noqa: E402  (the standard library only: --prepare needs nothing else)
+
 PAPER_SPEEDUP = 1.68  # Table 3: 207k vs 123k tokens/s on H100
 TARGETS = {"mfu_with_head": 0.40, "crossbert_speedup": 1.49}  # issue targets: benchmarks, not pass/fail of the run
 BUDGETS_S = {"environment": 30, "tests": 60, "benchmark": 120, "profile": 40, "training": 180, "glue": 50}  # 8 min
@@ -187,10 +189,11 @@ def training(work: Path, dry_run: bool) -> dict:
     start = time.perf_counter()
     log = _run([*torchrun, *argv, f"dump_dir={full}"], work / "training.log", env)
     seconds = time.perf_counter() - start
-    middle = f"checkpoints/{every:010d}"  # the run as it was at the middle step: resumed from there
-    shutil.copytree(full / middle, resumed / middle)
-    for name in ("config.yaml", "metrics.jsonl"):
-        shutil.copy(full / name, resumed / name)
+    source, target = RunFolder(full), RunFolder(resumed)
+    middle = f"{every:010d}"  # the run as it was at the middle step: resumed from there
+    shutil.copytree(source.checkpoints / middle, target.checkpoints / middle)
+    shutil.copy(source.config, target.config)
+    shutil.copy(source.metrics, target.metrics)
     _run([*torchrun, *argv, f"dump_dir={resumed}"], work / "resumed.log", env)
     losses, again = _losses(full), _losses(resumed)
     after = range(every + 1, steps + 1)
@@ -204,7 +207,7 @@ def training(work: Path, dry_run: bool) -> dict:
 
 
 def _losses(dump: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in RunFolder(dump).metrics.read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 

@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # a script: the library beside it
+from lingua.run_folder import RunFolder  # noqa: E402
+
 WORDS = "the a cat dog sat on mat ran to park red blue green big small house tree river stone bird".split()
 
 
@@ -67,7 +70,7 @@ def trial(data: Path, dump: Path, procs: int, rng: random.Random) -> dict:
     pids: list[int] = []
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and not ((dump / "metrics.jsonl").exists()
+        while time.time() < deadline and not (RunFolder(dump).metrics.exists()
                                               and len(workers(launcher.pid)) == procs):
             time.sleep(0.05)
         ranks = workers(launcher.pid)
@@ -81,7 +84,7 @@ def trial(data: Path, dump: Path, procs: int, rng: random.Random) -> dict:
             return {"rank": rank, "delay_s": round(delay, 3), "outcome": "hung"}
     finally:
         kill_all(launcher, pids)
-    folder = dump / "checkpoints"
+    folder = RunFolder(dump).checkpoints
     saved = sorted(p for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
     steps = [json.loads(p.read_text())["step"] for p in sorted(saved[-1].glob("train_state_*.json"))] if saved else []
     together = status == 0 and len(saved) == 1 and len(steps) == procs and set(steps) == {int(saved[0].name)}

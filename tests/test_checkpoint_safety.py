@@ -19,7 +19,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from apps.bert.train import APP
 from lingua.args import UserError, load_config
-from lingua.checkpoint import MANIFEST, Checkpoint, CheckpointArgs, CheckpointManager, DamagedCheckpoint, verify
+from lingua.checkpoint import (
+    MANIFEST,
+    Checkpoint,
+    CheckpointArgs,
+    CheckpointManager,
+    DamagedCheckpoint,
+    TrainState,
+    verify,
+)
 from lingua.checkpoint import main as checkpoint_main
 from lingua.export import main as export_main
 from lingua.files import atomic_write
@@ -109,6 +117,18 @@ def test_real_checkpoint_loads_through_the_safe_reader(tmp_path):
     assert Checkpoint.read(path).load_training(model, optimizer) == [_train_state(1, "old")]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), _model_and_optimizer(0)[0].parameters()))
     assert optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+@pytest.mark.parametrize("saved", [{"step": 1, "data_tokens": 0}, {"step": 1, "data_tokens": 0, "data": None},
+                                   {"step": "1", "data_tokens": 0, "data": {}}], ids=["missing", "none", "wrong_type"])
+def test_a_train_state_without_the_fields_every_state_holds_is_damaged(tmp_path, saved):
+    """The fields TrainState marks as always saved, of their annotated types, are checked when a checkpoint loads."""
+    assert TrainState.saved_fields() == {"step": int, "data": dict, "data_tokens": int}
+    path = _saved(tmp_path)
+    (path / "train_state_00000.json").write_text(json.dumps(saved))
+    (path / MANIFEST).unlink()
+    with pytest.raises(DamagedCheckpoint, match="train_state_00000.json does not hold step, data, data_tokens"):
+        Checkpoint.read(path).load_training(*_model_and_optimizer(1))
 
 
 class Killed(BaseException):

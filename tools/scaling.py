@@ -46,6 +46,7 @@ from lingua.args import UserError, command_line, load_config, read_yaml, require
 from lingua.checkpoint import Checkpoint
 from lingua.files import atomic_write
 from lingua.metrics import read_metrics
+from lingua.run_folder import METRICS, RunFolder
 from lingua.scaling import (
     TOKENS_PER_FLOP_PER_TOKEN,
     best_per_group,
@@ -208,8 +209,8 @@ def run_dirs(spec: str) -> list[Path]:
     for folder in folders:
         if not folder.is_dir():
             raise UserError(f"{folder} is not a folder")
-        found += [folder] if (folder / "metrics.jsonl").exists() else sorted(
-            p.parent for p in folder.glob("*/metrics.jsonl"))
+        found += [folder] if RunFolder(folder).metrics.exists() else sorted(
+            p.parent for p in folder.glob(f"*/{METRICS}"))
     if not found:
         raise UserError(f"no run (a folder with metrics.jsonl) in {spec}")
     return found
@@ -217,9 +218,9 @@ def run_dirs(spec: str) -> list[Path]:
 
 def read_run(dump_dir: Path) -> dict[str, Any]:
     """What the fits and plots need from one run's dump_dir."""
-    config = yaml.safe_load((dump_dir / "config.yaml").read_text())
+    config = yaml.safe_load(RunFolder(dump_dir).config.read_text())
     train, val, probed = [], [], []
-    for record in read_metrics(dump_dir / "metrics.jsonl"):
+    for record in read_metrics(RunFolder(dump_dir).metrics):
         is_probe = any(key.startswith("glue/") for key in record)
         (val if "val/loss" in record else train if "loss" in record else probed if is_probe else []).append(record)
     if not train:
@@ -265,19 +266,19 @@ def probe_curves(run: dict[str, Any], probe: str) -> dict[str, list[tuple[float,
 def _app_of(dump_dir: Path) -> str:
     """The short name of the app that trained the run: from stool's job record, else its newest checkpoint or
     export, else the first line of its log ("MODULE: N parameters ...")."""
-    job = dump_dir / "job.json"
+    job = RunFolder(dump_dir).job_record
     if job.exists():
         return short_name(json.loads(job.read_text())["script"])
     with contextlib.suppress(UserError):
         return short_name(Checkpoint.open(dump_dir).app_name)
-    log = (dump_dir / "train.log").read_text(errors="replace") if (dump_dir / "train.log").exists() else ""
+    log = RunFolder(dump_dir).log.read_text(errors="replace") if RunFolder(dump_dir).log.exists() else ""
     found = re.search(r" (\S+): [\d,]+ parameters", log)
     return short_name(found.group(1)) if found else "?"
 
 
 def _probe_results(dump_dir: Path) -> dict[str, dict[str, float]]:
     """{probe: {task: score, "avg": GLUE average}} of the newest frozen evaluation of the run's final weights."""
-    results = sorted((dump_dir / "glue_eval").glob("*/results.json"), key=lambda p: p.stat().st_mtime)
+    results = sorted(RunFolder(dump_dir).evaluation_results("glue"), key=lambda p: p.stat().st_mtime)
     if not results:
         return {}
     return json.loads(results[-1].read_text())["summary"].get("last", {})
@@ -288,7 +289,7 @@ def _mteb_results(dump_dir: Path) -> dict[str, dict[str, float]]:
     filed with the run (DUMP_DIR/mteb_eval/*/: the contrastive model trained from it, evaluated with tools.eval.mteb
     out=DUMP_DIR/mteb_eval/NAME)."""
     found: dict[str, dict[str, float]] = {}
-    for path in sorted((dump_dir / "mteb_eval").glob("*/results.json"), key=lambda p: p.stat().st_mtime):
+    for path in sorted(RunFolder(dump_dir).evaluation_results("mteb"), key=lambda p: p.stat().st_mtime):
         results = json.loads(path.read_text())
         found[benchmark_of(results)] = results["summary"]
     return found

@@ -33,6 +33,7 @@ from lingua.eval.glue import TASKS
 from lingua.eval.mteb import CATEGORIES
 from lingua.files import atomic_write
 from lingua.metrics import read_metrics
+from lingua.run_folder import RESULTS, RunFolder
 from tools import paper
 from tools.eval.mteb import benchmark_of
 from tools.finetune.table import choose, metric_names, read_results
@@ -55,10 +56,10 @@ class TablesArgs:
 def pretraining(run: Path) -> dict | None:
     """Parameters, FLOPs and token-views/s per process (GPU) of a pre-training run, or None before it has logged a
     step. The processes are those of its latest start (train.log: "on N process(es)"); tps is None without it."""
-    records = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r] if run.is_dir() else []
+    records = [r for r in read_metrics(RunFolder(run).metrics) if "loss" in r] if run.is_dir() else []
     if not records:
         return None
-    log = (run / "train.log").read_text(errors="replace") if (run / "train.log").exists() else ""
+    log = RunFolder(run).log.read_text(errors="replace") if RunFolder(run).log.exists() else ""
     found = re.search(r": ([\d,]+) parameters", log)
     worlds = re.findall(r" on (\d+) process\(es\)", log)
     views_per_s = statistics.median(r["token_views_per_s"] for r in records[1:] or records)  # over all processes
@@ -74,7 +75,7 @@ def probe_scores(folder: Path) -> dict[str, dict[str, float]]:
 
 def layer_scores(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
     """{layer: {probe: {task: score}}} of a GLUE probe results file, its layers in order ("last" after the indices)."""
-    path = folder / "results.json"
+    path = folder / RESULTS
     if not path.exists():
         return {}
     summary = json.loads(path.read_text())["summary"]
@@ -96,7 +97,7 @@ def mteb_results(folder: Path) -> dict[tuple[str, str], dict]:
     """{(benchmark, protocol): results.json} of the variant's MTEB evaluations (benchmark: `benchmark_of`, which
     names a subset by its tasks)."""
     sections = {}
-    for path in sorted(folder.glob("mteb_*/results.json")):
+    for path in sorted(folder.glob(f"mteb_*/{RESULTS}")):
         protocol = path.parent.name.rsplit("_", 1)[-1]
         if protocol in ("frozen", "full"):
             results = json.loads(path.read_text())

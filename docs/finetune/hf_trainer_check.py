@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from lingua.args import command_line, load_config  # noqa: E402
+from lingua.run_folder import RunFolder  # noqa: E402
 
 LABELS = {"rte": ["entailment", "not_entailment"], "sst2": ["0", "1"]}
 COLUMNS = {"rte": ("sentence1", "sentence2"), "sst2": ("sentence",)}
@@ -64,7 +65,7 @@ def ours(args: CheckArgs, glue: Path, task: str, seed: int, out: Path) -> float:
                     f"dump_dir={dump}", f"epochs={args.epochs}", f"optim.lr={args.lr}", "optim.weight_decay=0",
                     f"data.batch_size={args.batch_size}", f"data.seq_len={args.max_len}", "model.pooling=mean"],
                    cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    return json.loads((dump / "best.json").read_text())["val/score"]
+    return json.loads(RunFolder(dump).best_record.read_text())["val/score"]
 
 
 def theirs(args: CheckArgs, export: Path, glue: Path, task: str, seed: int, out: Path) -> float:

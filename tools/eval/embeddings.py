@@ -22,7 +22,7 @@ from lingua.eval.retrieval import evaluate_retrieval
 from lingua.eval.sts import evaluate_sts, find_sts_sets
 from lingua.files import atomic_write
 from lingua.metrics import setup_logging
-from tools.eval.glue import run_dump_dir
+from lingua.run_folder import RESULTS, RunFolder
 
 
 @dataclass
@@ -76,8 +76,8 @@ def select_sts_sets(args: EmbeddingEvalArgs) -> dict:
 
 def output_path(out: str, checkpoint: Path) -> Path:
     if out:
-        return Path(out) if out.endswith(".json") else Path(out) / "results.json"
-    return run_dump_dir(checkpoint) / "embedding_eval" / checkpoint.name.removesuffix(".pt") / "results.json"
+        return Path(out) if out.endswith(".json") else Path(out) / RESULTS
+    return RunFolder.of(checkpoint).evaluation("embedding", checkpoint) / RESULTS
 
 
 def format_results(model: str, results: dict) -> str:

@@ -22,6 +22,7 @@ from lingua.eval.glue import GlueEvalArgs, check_args, evaluate_glue
 from lingua.eval.report import format_table
 from lingua.files import atomic_write
 from lingua.metrics import setup_logging
+from lingua.run_folder import RESULTS, RunFolder
 
 
 @dataclass
@@ -32,23 +33,16 @@ class GlueCommandArgs(GlueEvalArgs):
     device: str = "auto"  # auto: cuda if available, else cpu
 
 
-def run_dump_dir(checkpoint: Path) -> Path:
-    """The run folder a checkpoint belongs to: DUMP_DIR for DUMP_DIR/checkpoints/NNN or DUMP_DIR/consolidated.pt."""
-    if checkpoint.is_dir() and checkpoint.parent.name == "checkpoints":
-        return checkpoint.parent.parent
-    return checkpoint.parent if checkpoint.is_file() else checkpoint
-
-
 def checkpoint_identity(checkpoint: Path) -> str:
     """Path, sizes and modification times of the checkpoint's files: changes whenever the weights are rewritten."""
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file()) if checkpoint.is_dir() else [checkpoint]
     return json.dumps([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files])
 
 
-def results_path(out: str, dump_dir: Path, checkpoint: Path) -> Path:
+def results_path(out: str, run: RunFolder, checkpoint: Path) -> Path:
     if out:
-        return Path(out) if out.endswith(".json") else Path(out) / "results.json"
-    return dump_dir / "glue_eval" / checkpoint.name.removesuffix(".pt") / "results.json"
+        return Path(out) if out.endswith(".json") else Path(out) / RESULTS
+    return run.evaluation("glue", checkpoint) / RESULTS
 
 
 def run(args: GlueCommandArgs) -> dict:
@@ -62,14 +56,14 @@ def run(args: GlueCommandArgs) -> dict:
     # default: the length the model was trained on; never past its position table
     max_len = min(args.max_len or config.data.seq_len, config.model.encoder.max_seqlen)
     args = replace(args, max_len=max_len)
-    dump_dir = run_dump_dir(checkpoint)
-    cache = FeatureCache(args.cache_dir or dump_dir / "glue_eval" / "cache", checkpoint_identity(checkpoint))
+    run = RunFolder.of(checkpoint)
+    cache = FeatureCache(args.cache_dir or run.feature_cache, checkpoint_identity(checkpoint))
     results = {"checkpoint": str(checkpoint), "args": asdict(args),
                **evaluate_glue(model, tokenizer, args, device, cache)}
     if not results["tasks"]:
         raise UserError("no GLUE task could be evaluated: " + "; ".join(
             f"{name}: {why}" for name, why in results["skipped"].items()))
-    path = results_path(args.out, dump_dir, checkpoint)
+    path = results_path(args.out, run, checkpoint)
     try:
         atomic_write(path, json.dumps(results, indent=1))
     except OSError as e:

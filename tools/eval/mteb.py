@@ -22,7 +22,7 @@ from lingua.args import UserError, at_least, command_line, load_config
 from lingua.checkpoint import Checkpoint
 from lingua.files import atomic_write
 from lingua.metrics import setup_logging
-from tools.eval.glue import run_dump_dir
+from lingua.run_folder import RESULTS, RunFolder
 
 
 @dataclass
@@ -56,7 +56,7 @@ def output_dir(args: MtebCommandArgs) -> Path:
     if args.out:
         return Path(args.out)
     checkpoint = Checkpoint.open(args.ckpt).path
-    return run_dump_dir(checkpoint) / "mteb_eval" / checkpoint.name.removesuffix(".pt")
+    return RunFolder.of(checkpoint).evaluation("mteb", checkpoint)
 
 
 def run(args: MtebCommandArgs) -> dict:
@@ -78,7 +78,7 @@ def run(args: MtebCommandArgs) -> dict:
     scores = run_mteb(embedder, tasks, results_dir=out, batch_size=args.batch_size, overwrite=args.overwrite)
     results = {"checkpoint": args.ckpt, "model": embedder.name, "args": asdict(args), "tasks": scores,
                "summary": summarize(scores)}
-    path = out / "results.json"
+    path = out / RESULTS
     try:
         atomic_write(path, json.dumps(results, indent=1))
     except OSError as e:

@@ -23,6 +23,7 @@ from lingua.args import UserError, command_line, load_config, parse_assignment
 from lingua.eval.glue import TASKS
 from lingua.files import atomic_write
 from lingua.launcher import split_arguments
+from lingua.run_folder import RunFolder
 from tools.finetune.table import choose, read_results
 
 STARTED_FROM_MNLI = ("rte", "mrpc", "stsb")  # RoBERTa's and ModernBERT's protocol
@@ -68,14 +69,14 @@ def best_mnli_run(folder: Path) -> Path:
     """best.pt of the MNLI run with the highest dev score at the learning rate chosen on dev (tools.finetune.table)."""
     finished, unfinished = read_results([folder])
     results = [r for r in finished if r.task == "mnli"]
-    if any((yaml.safe_load((run / "config.yaml").read_text()) or {})["data"]["task"] == "mnli" for run in unfinished):
+    if any((yaml.safe_load(RunFolder(run).config.read_text()) or {})["data"]["task"] == "mnli" for run in unfinished):
         raise UserError(f"mnli_from: {folder} has MNLI runs that have not finished")
     if not results:
         raise UserError(f"mnli_from: no finished MNLI run under {folder}")
     if len({r.model for r in results}) > 1:
         raise UserError(f"mnli_from: {folder} holds MNLI runs of several pre-trained models")
     (tasks,) = choose(results).values()
-    return Path(tasks["mnli"]["best_run"]) / "best.pt"
+    return RunFolder(Path(tasks["mnli"]["best_run"])).best_weights
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,7 +24,7 @@ from lingua.args import UserError, command_line
 from lingua.checkpoint import Checkpoint
 from lingua.eval.glue import TASKS
 from lingua.files import atomic_write
-from tools.eval.glue import run_dump_dir
+from lingua.run_folder import CONFIG, RunFolder
 from tools.paper import GLUE_FINETUNE, NAMES
 
 
@@ -42,18 +42,18 @@ class Result:
 def read_results(folders: list[Path]) -> tuple[list[Result], list[Path]]:
     """(the finished runs' results, the runs not finished yet: no consolidated.pt, the last step's export)."""
     results, unfinished = [], []
-    for config_file in sorted(p for folder in folders for p in folder.rglob("config.yaml")):
-        run = config_file.parent
+    for config_file in sorted(p for folder in folders for p in folder.rglob(CONFIG)):
+        run = RunFolder(config_file.parent)
         config = yaml.safe_load(config_file.read_text()) or {}
         if "epochs" not in config or "task" not in config.get("data", {}):
             continue  # not a fine-tuning run
-        if not (run / "consolidated.pt").exists():
-            unfinished.append(run)
+        if not run.finished:
+            unfinished.append(run.root)
             continue
-        best = json.loads((run / "best.json").read_text())
+        best = json.loads(run.best_record.read_text())
         epoch = best["step"] // config["validation"]["every"]
         results.append(Result(config["origin"] or "(random initialisation)", config["data"]["task"],
-                              float(config["optim"]["lr"]), config["seed"], best["val/score"], epoch, run))
+                              float(config["optim"]["lr"]), config["seed"], best["val/score"], epoch, run.root))
     return results, unfinished
 
 
@@ -110,7 +110,7 @@ def format_table(table: dict) -> str:
     lines = ["GLUE fine-tuning, dev: per task the median over seeds at the learning rate chosen on dev", header]
     for model, tasks in table.items():
         scores = [tasks[name]["score"] for name in TASKS if name in tasks]
-        label = run_dump_dir(Path(model)).name
+        label = RunFolder.of(model).root.name
         cells = "".join(f"{tasks[name]['score']:>6.1f}" if name in tasks else f"{'-':>6}" for name in TASKS)
         partial = "*" if len(scores) < len(TASKS) else ""
         lines.append(f"{label[:27]:<28}{cells}{sum(scores) / len(scores):>6.1f}{partial}")

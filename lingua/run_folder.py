@@ -1,0 +1,121 @@
+"""The layout of a run's folder (its dump_dir): the name of every file and folder the library writes there or reads
+from it, and the rules over them. No other module spells these names (tests/test_run_folder.py checks).
+
+    config.yaml          the config the run trains with (lingua/train.py writes it once the start has succeeded)
+    metrics.jsonl        one record per logged step and evaluation (lingua/metrics.py)
+    train.log            every rank's log
+    checkpoints/         the checkpoints; inside it, the layout of each step (NNNNNNNNNN/ with params.json,
+                         train_state_NNNNN.json, manifest.json) is lingua/checkpoint.py's CheckpointManager's
+    consolidated.pt      the final weights in one file, with the app and the config: the run is finished
+    best.pt, best.json   the weights and the validation record of the best evaluation (validation.keep_best)
+    .lock                the run's lease (lingua/lifecycle.py's RunLock)
+    submitted.yaml       the config stool submitted (lingua/stool.py)
+    job.json             the record of the job that runs it (lingua/launcher.py)
+    submitit/, code/     submitit's files of its job and the code snapshots its jobs run (a run submitted alone;
+                         the runs of a sweep share the sweep folder's)
+    glue_eval/, embedding_eval/, mteb_eval/
+                         the evaluations of its checkpoints (tools/eval), one folder per checkpoint, each with a
+                         results.json; glue_eval/cache/ holds the probes' cached features
+
+A sweep's folder (sweep.json) and a pipeline's (pipeline.json, stages/) are lingua/stool.py's and
+lingua/pipeline.py's; they hold code/ and submitit/ too, and a pipeline's stage folder a job.json, named here.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+LOG = "train.log"
+CHECKPOINTS = "checkpoints"
+CONSOLIDATED = "consolidated.pt"
+BEST_WEIGHTS = "best.pt"
+BEST_RECORD = "best.json"
+LOCK = ".lock"
+SUBMITTED = "submitted.yaml"
+JOB_RECORD = "job.json"
+SUBMITIT = "submitit"
+CODE = "code"
+RESULTS = "results.json"  # what an evaluation writes into its folder
+EVALUATIONS = ("glue", "embedding", "mteb")  # the tools/eval commands that file their results with the run
+FEATURE_CACHE = "cache"
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """The files and folders of the run whose dump_dir is `root`."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, path: str | Path) -> "RunFolder":
+        """The run that holds `path`: a checkpoint folder in a run's checkpoints/, a weights file in a run's folder
+        (consolidated.pt, best.pt), or a run's folder itself."""
+        path = Path(path)
+        if path.parent.name == CHECKPOINTS:
+            return cls(path.parent.parent)
+        return cls(path.parent if path.is_file() else path)
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS
+
+    @property
+    def log(self) -> Path:
+        return self.root / LOG
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    @property
+    def consolidated(self) -> Path:
+        return self.root / CONSOLIDATED
+
+    @property
+    def best_weights(self) -> Path:
+        return self.root / BEST_WEIGHTS
+
+    @property
+    def best_record(self) -> Path:
+        return self.root / BEST_RECORD
+
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK
+
+    @property
+    def submitted(self) -> Path:
+        return self.root / SUBMITTED
+
+    @property
+    def job_record(self) -> Path:
+        return self.root / JOB_RECORD
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run trained to its last step: its consolidated weights are there."""
+        return self.consolidated.exists()
+
+    def evaluations(self, kind: str) -> Path:
+        """The folder of the run's `kind` evaluations (one of EVALUATIONS)."""
+        if kind not in EVALUATIONS:
+            raise ValueError(f"unknown evaluation {kind!r}")
+        return self.root / f"{kind}_eval"
+
+    def evaluation(self, kind: str, checkpoint: Path) -> Path:
+        """Where the `kind` evaluation of one of the run's checkpoints is filed: named after the checkpoint."""
+        return self.evaluations(kind) / checkpoint.name.removesuffix(".pt")
+
+    def evaluation_results(self, kind: str) -> list[Path]:
+        """The results file of each of the run's `kind` evaluations, by path."""
+        return sorted(self.evaluations(kind).glob(f"*/{RESULTS}"))
+
+    @property
+    def feature_cache(self) -> Path:
+        """The GLUE probes' cached features of the run's checkpoints."""
+        return self.evaluations("glue") / FEATURE_CACHE
