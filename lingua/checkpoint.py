@@ -1,4 +1,4 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), resume, and export of consolidated weights.
+"""Checkpoints with torch.distributed.checkpoint (DCP), resume, and consolidated weights (one file).
 
 Layout of a run's checkpoints/ (the rest of its dump_dir: lingua/run_folder.py):
     0000001000/                    one complete checkpoint: DCP shards of model + optimizer,
@@ -18,7 +18,8 @@ a killed process is removed.
 
 Nothing in a checkpoint folder is unpickled without restriction (`lingua.safe_dcp`), so opening one runs no code.
 
-`python -m lingua.checkpoint export CHECKPOINT_DIR OUT.pt` consolidates any checkpoint into one file.
+`python -m lingua.checkpoint consolidate CHECKPOINT_DIR OUT.pt` writes any checkpoint's weights into one file (the
+HuggingFace folder is lingua/export.py's).
 """
 
 import contextlib
@@ -52,7 +53,7 @@ from torch.distributed.tensor import DTensor
 from lingua import safe_dcp
 from lingua.app import build_model, load_app
 from lingua.args import UserError, at_least, from_dict
-from lingua.distributed import all_reduce, fail_together, on_all_ranks, rank_and_world
+from lingua.distributed import all_reduce, fail_together, on_rank_zero, rank_and_world
 from lingua.files import atomic_write, fsync_dir
 from lingua.run_folder import CONSOLIDATED, RunFolder
 
@@ -199,7 +200,7 @@ class CheckpointManager:
         """What processes killed while saving or pruning left: a `.replaced` checkpoint whose step has no other copy
         is put back (it is the newest complete one); half-written (`.tmp`), half-deleted (`.deleting`) and
         superseded (`.replaced`) folders are removed."""
-        on_all_ranks(self._remove_leftovers)
+        on_rank_zero(self._remove_leftovers)
 
     def _remove_leftovers(self) -> None:
         for leftover in self.folder.iterdir() if self.folder.is_dir() else []:
@@ -309,7 +310,7 @@ class CheckpointManager:
             logger.warning(f"could not delete an old checkpoint ({e.strerror}: {e.filename}): it is left in place")
 
 
-def export_consolidated(model: nn.Module, params: dict, path: str | Path) -> Path:
+def save_consolidated(model: nn.Module, params: dict, path: str | Path) -> Path:
     """All weights in one file (gathered from every rank), with the app and config that rebuild the model."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=options)
@@ -322,7 +323,7 @@ def export_consolidated(model: nn.Module, params: dict, path: str | Path) -> Pat
             reason = e.strerror if isinstance(e, OSError) and e.strerror else short_reason(e)
             raise UserError(f"cannot write {path}: {reason}") from None
 
-    on_all_ranks(write)  # rank 0 writes; its failure is every rank's
+    on_rank_zero(write)  # rank 0 writes; its failure is every rank's
     return path
 
 
@@ -344,7 +345,7 @@ def build_from_params(params: dict, device: str | torch.device = "cpu"):
 
 class Checkpoint:
     """The one reader of what the library saves: a checkpoint folder (DCP shards), a run's dump_dir (its newest
-    complete checkpoint, else its consolidated.pt: a run extended after its export has newer weights in its
+    complete checkpoint, else its consolidated.pt: a run extended after its consolidated.pt has newer weights in its
     checkpoints) or a consolidated file. Opening reads the app, the config and every model tensor's shape, no
     weight; `load_into` puts the weights into a model as it is (full or sharded); `load` builds the model and
     loads it. Every problem is one line naming the file."""
@@ -463,15 +464,15 @@ def shape_mismatches(saved: dict[str, tuple[int, ...]], model: nn.Module) -> lis
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 3 or argv[0] != "export":
-        sys.exit("usage: python -m lingua.checkpoint export CHECKPOINT_DIR OUT.pt")
+    if len(argv) != 3 or argv[0] != "consolidate":
+        sys.exit("usage: python -m lingua.checkpoint consolidate CHECKPOINT_DIR OUT.pt")
     try:
         path = Checkpoint.resolve(argv[1])
         if not path.is_dir():
-            raise UserError(f"{path} is a file; export takes a checkpoint folder or a run's dump_dir")
+            raise UserError(f"{path} is a file; consolidate takes a checkpoint folder or a run's dump_dir")
         checkpoint = Checkpoint.open(path)
         model, _, _ = checkpoint.load()
-        print(f"wrote {export_consolidated(model, checkpoint.params, argv[2])}")
+        print(f"wrote {save_consolidated(model, checkpoint.params, argv[2])}")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

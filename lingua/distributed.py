@@ -20,7 +20,6 @@ from lingua.args import UserError, at_least, require
 logger = logging.getLogger(__name__)
 
 FSDP_TYPES = ("full_shard", "no_shard", "hybrid_shard")
-STOP_SIGNALS = ("SIGUSR2", "SIGUSR1", "SIGTERM", "SIGHUP")  # what a scheduler sends before it takes the machines
 AC_MODES = ("none", "full", "selective")
 
 
@@ -30,16 +29,12 @@ class DistributedArgs:
     shard_size: int = 0  # hybrid_shard: ranks per shard group; 0 = the processes of one node
     compile: bool = False  # torch.compile each block (static shapes: compiled once)
     activation_checkpointing: str = "none"  # none | full (recompute each block) | selective (keep matmul outputs)
-    stop_signal: str = "SIGUSR2"  # SLURM's warning before the time limit (sbatch --signal=USR2@180)
-    requeue: bool = True  # under SLURM, requeue the job after the stop signal, so it resumes unattended
     timeout_minutes: float = 30  # a collective that waits longer ends the job with one line naming the rank
 
     def __post_init__(self):
         require(self.fsdp_type in FSDP_TYPES, "fsdp_type", f"must be one of {', '.join(FSDP_TYPES)}")
         require(self.activation_checkpointing in AC_MODES, "activation_checkpointing",
                 f"must be one of {', '.join(AC_MODES)}")
-        require(self.stop_signal in STOP_SIGNALS, "stop_signal",
-                f"must be one of {', '.join(STOP_SIGNALS)}, got '{self.stop_signal}'")
         at_least(self, 0, "shard_size")
         require(self.timeout_minutes > 0, "timeout_minutes", f"must be > 0, got {self.timeout_minutes}")
 
@@ -213,12 +208,13 @@ def fail_together(failure: str | None, group=None) -> None:
         raise UserError(agreed)
 
 
-def on_all_ranks(check) -> None:
-    """Runs `check` on rank 0 and re-raises its UserError on every rank, so all ranks stop together."""
+def on_rank_zero(action) -> None:
+    """Runs `action` (a write, a check of the file system) on rank 0 only and raises its UserError on every rank, so
+    all ranks stop together."""
     error = None
     if rank_and_world()[0] == 0:
         try:
-            check()
+            action()
         except UserError as e:
             error = str(e)
     error = broadcast_object(error)

@@ -39,7 +39,7 @@ class LauncherArgs:
     account: str = ""  # SLURM account
     constraint: str = ""  # SLURM node constraint, e.g. a GPU model
     time: int = 720  # minutes before SLURM stops the job (a stopped run is requeued and resumes)
-    signal_delay_s: int = 180  # the stop signal (distributed.stop_signal, SIGUSR2) comes this long before the limit
+    signal_delay_s: int = 180  # the stop signal (lifecycle.stop_signal, SIGUSR2) comes this long before the limit
     array_parallelism: int = 256  # sweep runs at once on SLURM
     parallel: int = 1  # cluster=local: runs at once (stool waits for each wave)
     dry_run: bool = False  # print what would run, submit nothing (also --dry-run)

@@ -20,12 +20,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lingua.args import UserError
-from lingua.distributed import DistributedArgs, fail_together, on_all_ranks, rank_and_world
+from lingua.args import UserError, require
+from lingua.distributed import fail_together, on_rank_zero, rank_and_world
 from lingua.files import fsync_dir
 from lingua.run_folder import RunFolder
 
 logger = logging.getLogger(__name__)
+
+STOP_SIGNALS = ("SIGUSR2", "SIGUSR1", "SIGTERM", "SIGHUP")  # what a scheduler sends before it takes the machines
+
+
+@dataclass
+class LifecycleArgs:
+    stop_signal: str = "SIGUSR2"  # SLURM's warning before the time limit (sbatch --signal=USR2@180): save, then requeue
+    requeue: bool = True  # under SLURM, requeue the job after the stop signal, so it resumes unattended
+
+    def __post_init__(self):
+        require(self.stop_signal in STOP_SIGNALS, "stop_signal",
+                f"must be one of {', '.join(STOP_SIGNALS)}, got '{self.stop_signal}'")
 
 
 @contextlib.contextmanager
@@ -123,7 +135,7 @@ def agree(stop: StopSignal, failure: str | None = None) -> str | None:
     return stop.settle(code, sent)
 
 
-def requeue_slurm_job(signal_name: str, args: DistributedArgs) -> bool:
+def requeue_slurm_job(signal_name: str, args: LifecycleArgs) -> bool:
     """After the preemption signal, rank 0 of a SLURM job asks SLURM to requeue it; True if it did."""
     job = os.environ.get("SLURM_JOB_ID")
     if not (job and args.requeue and signal_name == args.stop_signal and rank_and_world()[0] == 0):
@@ -273,7 +285,7 @@ class RunLock:
 
     def __enter__(self):
         try:
-            on_all_ranks(self._acquire)
+            on_rank_zero(self._acquire)
         except BaseException:
             self._release()  # rank 0 took the lease, but the ranks could not agree
             raise

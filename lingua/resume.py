@@ -28,16 +28,16 @@ class Start:
     data: dict = field(default_factory=dict)  # what the data pipeline's `check` reports, e.g. {"train_rows": N}
 
 
-def open_start(app: App, args, world_size: int) -> Start:
+def open_start(app: App, config, world_size: int) -> Start:
     """init_from opened, the resumed run's config and the data's facts; a UserError for a bad init_from or bad
     data, before anything is written."""
     init_from = None
-    if args.init_from:
+    if config.init_from:
         try:
-            init_from = Checkpoint.open(args.init_from)
+            init_from = Checkpoint.open(config.init_from)
         except UserError as e:
             raise UserError(f"init_from: {e}") from None
-    return Start(init_from, resumed_config(Path(args.dump_dir)), world_size, app.data.check(args.data))
+    return Start(init_from, resumed_config(Path(config.dump_dir)), world_size, app.data.check(config.data))
 
 
 def resumed_config(dump_dir: Path) -> dict | None:
@@ -51,7 +51,7 @@ def resumed_config(dump_dir: Path) -> dict | None:
     return None
 
 
-def resume(checkpoints: CheckpointManager, model, optimizer, app: App, args, launch: Launch) -> dict | None:
+def resume(checkpoints: CheckpointManager, model, optimizer, app: App, config, launch: Launch) -> dict | None:
     """Loads the newest checkpoint that loads and returns this rank's train state; None for a new run.
 
     Rank 0 picks the checkpoint and every rank loads that one. A damaged checkpoint (a missing, truncated or
@@ -60,7 +60,7 @@ def resume(checkpoints: CheckpointManager, model, optimizer, app: App, args, lau
     loads too: DCP reshards the model and optimizer, and the data loader's unread data is re-partitioned.
     """
     while True:
-        choice = broadcast_object(_pick_checkpoint(checkpoints, model, app, args) if launch.rank == 0 else None)
+        choice = broadcast_object(_pick_checkpoint(checkpoints, model, app, config) if launch.rank == 0 else None)
         if isinstance(choice, UserError) or choice is None:
             if choice is not None:
                 raise choice
@@ -77,22 +77,22 @@ def resume(checkpoints: CheckpointManager, model, optimizer, app: App, args, lau
             barrier()
             continue
         logger.info(f"resumed from {path}")
-        report_changes(Checkpoint.read(path).config, args, states[0]["step"])
+        report_changes(Checkpoint.read(path).config, config, states[0]["step"])
         if len(states) == launch.world_size:
             return states[launch.rank]
         logger.warning(f"the checkpoint was saved by {len(states)} process(es), this run has {launch.world_size}: "
                        "the masking random state starts afresh on every rank")
         old = [s["data"] for s in states]
-        data = on_every_rank(lambda: app.data.repartition(old, launch.world_size, args.data))[launch.rank]
+        data = on_every_rank(lambda: app.data.repartition(old, launch.world_size, config.data))[launch.rank]
         return {**states[0], "data": data, "generator": None}
 
 
-def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, args) -> str | UserError | None:
+def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, config) -> str | UserError | None:
     """Rank 0: the newest checkpoint whose files are all there and whose model fits, as a path; a UserError to
     raise on every rank; None for a new run."""
     for path in reversed(checkpoints.complete_checkpoints()):
         try:
-            check_same_model(Checkpoint.read(path), model, app, args)
+            check_same_model(Checkpoint.read(path), model, app, config)
             return str(path)
         except DamagedCheckpoint as e:
             _set_aside(checkpoints, path, e)
@@ -101,31 +101,31 @@ def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, args) -> s
     if checkpoints.damaged_checkpoints():
         return UserError(f"no checkpoint in {checkpoints.folder} loads (the damaged ones are kept as *.damaged): "
                          "delete them to start this run from scratch, or use another dump_dir")
-    run = RunFolder(Path(args.dump_dir))
+    run = RunFolder(Path(config.dump_dir))
     if run.finished:  # its history would be overwritten
         return UserError(f"{run.root} holds the export of a finished run but no checkpoint to "
                          "resume from: use another dump_dir (init_from= starts from its weights)")
     return None
 
 
-def check_same_model(checkpoint: Checkpoint, model, app: App, args) -> None:
+def check_same_model(checkpoint: Checkpoint, model, app: App, config) -> None:
     """The checkpoint is of this app, its tensors fit the model, and no architecture setting changed (some, like
     n_heads at a fixed dim, change the computation but not the shapes)."""
     run = RunFolder.of(checkpoint.path).root
     if checkpoint.app_name != app.name:
         raise UserError(f"{run} holds a run of {checkpoint.app_name}, not {app.name}: use another dump_dir")
-    architecture = architecture_changes(checkpoint.config, args)
+    architecture = architecture_changes(checkpoint.config, config)
     mismatched = checkpoint.mismatches(model)
     if architecture or mismatched:
         raise UserError(f"{run} holds a model of another shape ({', '.join(architecture) or 'tensor ' + mismatched[0]}"
                         "): resume with its config, or use another dump_dir")
 
 
-def architecture_changes(old_config: dict, args) -> list[str]:
+def architecture_changes(old_config: dict, config) -> list[str]:
     """'key old -> new' for each architecture field of the model (its config classes' `ARCHITECTURE`) and the
     tokenizer that differs from a saved config."""
-    changes = config_changes(old_config, to_dict(args))
-    architecture = {"data.tokenizer.name", *architecture_fields(args.model, "model.")}
+    changes = config_changes(old_config, to_dict(config))
+    architecture = {"data.tokenizer.name", *architecture_fields(config.model, "model.")}
     return [f"{key} {old} -> {new}" for key, (old, new) in changes.items() if key in architecture]
 
 
@@ -134,12 +134,12 @@ def _set_aside(checkpoints: CheckpointManager, path: Path, error: DamagedCheckpo
     logger.warning(f"checkpoint {path.name} is damaged ({error}): set aside as {aside.name}; trying the one before it")
 
 
-def report_changes(old_config: dict, args, step: int) -> None:
-    changes = config_changes(old_config, to_dict(args))
+def report_changes(old_config: dict, config, step: int) -> None:
+    changes = config_changes(old_config, to_dict(config))
     if changes:
         listed = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changes.items())
         logger.warning(f"resuming with changed settings: {listed}")
-    if "steps" in changes and step < args.steps:
-        logger.warning(f"the learning-rate schedule is now that of a {args.steps}-step run: step {step + 1} uses lr "
-                       f"{lr_at(step, args.optim, args.steps):.3g} (warm-up {args.optim.warmup} steps, cosine to "
-                       f"{args.optim.lr_min:g} at step {args.steps})")
+    if "steps" in changes and step < config.steps:
+        logger.warning(f"the learning-rate schedule is now that of a {config.steps}-step run: step {step + 1} uses lr "
+                       f"{lr_at(step, config.optim, config.steps):.3g} (warm-up {config.optim.warmup} steps, cosine to "
+                       f"{config.optim.lr_min:g} at step {config.steps})")

@@ -13,7 +13,7 @@ values are means over all ranks. Every decision that all ranks must share comes 
 Exit status of `main`: 0 the run finished (or had nothing left to do); 2 a one-line error (a bad config or input,
 a refused start, a failed write, a collective that timed out); EXIT_STOPPED a stop signal saved a checkpoint (the
 same command resumes); EXIT_DIVERGED the loss or gradient became non-finite (nothing non-finite was saved); 130
-interrupted without saving. The preemption signal (`distributed.stop_signal`, SIGUSR2: a cluster taking the
+interrupted without saving. The preemption signal (`lifecycle.stop_signal`, SIGUSR2: a cluster taking the
 machines back) saves a checkpoint and exits 0 on every rank, so torchrun and srun see a clean end; under SLURM the
 job is requeued and resumes by itself.
 """
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from lingua.app import App, build_model
 from lingua.args import UserError, at_least, command_line, dump_config, load_config, require, to_dict
-from lingua.checkpoint import CheckpointArgs, CheckpointManager, TrainState, export_consolidated
+from lingua.checkpoint import CheckpointArgs, CheckpointManager, TrainState, save_consolidated
 from lingua.data import DataArgs, ReadAhead
 from lingua.distributed import (
     DistributedArgs,
@@ -42,15 +42,22 @@ from lingua.distributed import (
     detect_launch,
     fail_together,
     init_process_group,
-    on_all_ranks,
     on_every_rank,
+    on_rank_zero,
     resolve_device,
 )
 from lingua.divergence import Diverged, NonFiniteGuard
 from lingua.eval.glue import GlueEvalArgs
 from lingua.files import atomic_write, remove_partial_writes
 from lingua.flops import count_params
-from lingua.lifecycle import RunLock, StopSignal, agree, requeue_slurm_job, stop_signals_held_for_the_main_thread
+from lingua.lifecycle import (
+    LifecycleArgs,
+    RunLock,
+    StopSignal,
+    agree,
+    requeue_slurm_job,
+    stop_signals_held_for_the_main_thread,
+)
 from lingua.metrics import (
     LoggingArgs,
     MetricLogger,
@@ -90,7 +97,8 @@ class TrainArgs:
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     validation: ValidationArgs = field(default_factory=ValidationArgs)
     eval: GlueEvalArgs = field(default_factory=GlueEvalArgs)  # frozen GLUE probes every eval.every steps (0: off)
-    distributed: DistributedArgs = field(default_factory=DistributedArgs)
+    distributed: DistributedArgs = field(default_factory=DistributedArgs)  # processes, sharding, compile
+    lifecycle: LifecycleArgs = field(default_factory=LifecycleArgs)  # the stop signal and SLURM's requeue
 
     def __post_init__(self):
         require(bool(self.dump_dir.strip()), "dump_dir", "is empty: name the run's folder")
@@ -114,42 +122,42 @@ class Activity:
                          "its error); the newest checkpoint is kept")
 
 
-def train(app: App, args) -> dict[str, Any]:
-    """Trains, or resumes, the run in args.dump_dir, in this process and the others of its launch. The dump_dir is
+def train(app: App, config) -> dict[str, Any]:
+    """Trains, or resumes, the run in config.dump_dir, in this process and the others of its launch. The dump_dir is
     locked for the run; nothing in it is written before the start has succeeded (config checked, checkpoint
     loaded, data found)."""
     launch = detect_launch()
-    start = open_start(app, args, launch.world_size)
-    args = resolve_config(app, args, start)
-    device = resolve_device(args.device, launch.local_rank)
-    check_evaluations(app, args, launch.world_size)
-    with stop_signals_held_for_the_main_thread(args.distributed.stop_signal):
-        init_process_group(launch, device, args.distributed.timeout_minutes)
+    start = open_start(app, config, launch.world_size)
+    config = resolve_config(app, config, start)
+    device = resolve_device(config.device, launch.local_rank)
+    check_evaluations(app, config, launch.world_size)
+    with stop_signals_held_for_the_main_thread(config.lifecycle.stop_signal):
+        init_process_group(launch, device, config.distributed.timeout_minutes)
         activity = Activity("the start-up")
         try:
-            run = RunFolder(Path(args.dump_dir))
-            on_all_ranks(lambda: _make_folder(run.root))
+            run = RunFolder(Path(config.dump_dir))
+            on_rank_zero(lambda: _make_folder(run.root))
             with RunLock(run.root):
                 setup_logging(run.log, launch.rank)
-                return Trainer(app, args, start, run, device, launch, activity).fit()
+                return Trainer(app, config, start, run, device, launch, activity).fit()
         except RuntimeError as e:
             kind = collective_failure(e)
             if kind is None:
                 raise
-            raise activity.failed(kind, launch.rank, args.distributed.timeout_minutes) from None
+            raise activity.failed(kind, launch.rank, config.distributed.timeout_minutes) from None
         finally:
             destroy_process_group()
 
 
-def resolve_config(app: App, args, start: Start):
+def resolve_config(app: App, config, start: Start):
     """The run's config as it trains: the app's decisions from what the run starts from (e.g. the shapes of
     init_from), checked before anything starts. The caller's config is left as it is."""
     if app.configure is not None:
-        args = app.configure(args, start)
-    if args.data.seq_len > args.model.encoder.max_seqlen:
-        raise UserError(f"data.seq_len ({args.data.seq_len}) exceeds model.encoder.max_seqlen "
-                        f"({args.model.encoder.max_seqlen}), the length of the position table")
-    return args
+        config = app.configure(config, start)
+    if config.data.seq_len > config.model.encoder.max_seqlen:
+        raise UserError(f"data.seq_len ({config.data.seq_len}) exceeds model.encoder.max_seqlen "
+                        f"({config.model.encoder.max_seqlen}), the length of the position table")
+    return config
 
 
 def _make_folder(folder: Path) -> None:
@@ -164,51 +172,52 @@ def _make_folder(folder: Path) -> None:
 class Trainer:
     """One run on this rank: set up on construction (model, optimizer, resume, data, evaluation), trained by `fit`."""
 
-    def __init__(self, app: App, args, start: Start, run: RunFolder, device: torch.device, launch: Launch,
+    def __init__(self, app: App, config, start: Start, run: RunFolder, device: torch.device, launch: Launch,
                  activity: Activity):
-        self.app, self.args, self.start, self.run, self.device, self.launch, self.activity = \
-            app, args, start, run, device, launch, activity
-        self.tokenizer = build_tokenizer(args.data.tokenizer)
-        self.model = build_model(app.build_model, args.model, self.tokenizer, device, args.seed,
-                                 (args.distributed, launch), plan=app.parallelize)
-        check_batch_shape(self.model, app.data.row_shape(args.data), device)
-        self.optimizer = build_optimizer(self.model, args.optim)
-        self.params = {"app": app.name, "config": to_dict(args)}
-        self.checkpoints = CheckpointManager(run.checkpoints, args.checkpoint)
-        on_all_ranks(self.checkpoints.check_folder)
+        self.app, self.config, self.start, self.run, self.device, self.launch, self.activity = \
+            app, config, start, run, device, launch, activity
+        self.tokenizer = build_tokenizer(config.data.tokenizer)
+        self.model = build_model(app.build_model, config.model, self.tokenizer, device, config.seed,
+                                 (config.distributed, launch), plan=app.parallelize)
+        check_batch_shape(self.model, app.data.row_shape(config.data), device)
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.params = {"app": app.name, "config": to_dict(config)}
+        self.checkpoints = CheckpointManager(run.checkpoints, config.checkpoint)
+        on_rank_zero(self.checkpoints.check_folder)
         self.checkpoints.remove_leftovers()
         if launch.rank == 0:
             for partial in remove_partial_writes(run.root):
                 logger.info(f"removed {partial.name}, left by a process killed while writing it")
-        self.generator = torch.Generator(device).manual_seed(args.seed + launch.rank)  # the masking's draws
+        self.generator = torch.Generator(device).manual_seed(config.seed + launch.rank)  # the masking's draws
         self.state = self._start_state()
-        self.throughput = Throughput(self.model, args.data.batch_size * args.grad_acc_steps,
-                                     math.prod(app.data.row_shape(args.data)), args.data.seq_len, launch.world_size,
-                                     peak_flops(args.logging, device))
+        self.throughput = Throughput(self.model, config.data.batch_size * config.grad_acc_steps,
+                                     math.prod(app.data.row_shape(config.data)), config.data.seq_len, launch.world_size,
+                                     peak_flops(config.logging, device))
         self.guard, self.window = NonFiniteGuard(device, self.checkpoints), Window()
-        self.evaluations = build_evaluations(app, EvalContext(self.model, self.tokenizer, args, device, launch,
+        self.evaluations = build_evaluations(app, EvalContext(self.model, self.tokenizer, config, device, launch,
                                                               self.guard))
         logger.info(
             f"{app.name}: {count_params(self.model):,} parameters ({count_params(self.model, embeddings=False):,} "
             f"outside the embedding) on {launch.world_size} process(es) ({launch.source}, {device.type}"
-            f"{', ' + args.distributed.fsdp_type if dist.is_initialized() else ''}), {args.steps} steps of "
+            f"{', ' + config.distributed.fsdp_type if dist.is_initialized() else ''}), {config.steps} steps of "
             f"{self.throughput.per_step['data_tokens']:,} data tokens over all processes"
         )
 
     def _start_state(self) -> TrainState:
         """The resumed checkpoint's state, or a new run's (from `init_from`'s weights when given)."""
-        args = self.args
-        saved = resume(self.checkpoints, self.model, self.optimizer, self.app, args, self.launch)
+        config = self.config
+        saved = resume(self.checkpoints, self.model, self.optimizer, self.app, config, self.launch)
         if saved is not None:
             state = TrainState.from_dict(saved)
             if state.generator is not None:
                 self.generator.set_state(torch.tensor(state.generator, dtype=torch.uint8))
             return state
         if self.start.init_from is not None:
-            changed = architecture_changes(self._load_init(self.start.init_from), args)
+            changed = architecture_changes(self._load_init(self.start.init_from), config)
             if changed:
-                raise UserError(f"init_from {args.init_from} is a model of another architecture ({', '.join(changed)})")
-            logger.info(f"initialised the model from {args.init_from} (weights only: step, optimizer and data start "
+                raise UserError(f"init_from {config.init_from} is a model of another architecture "
+                                f"({', '.join(changed)})")
+            logger.info(f"initialised the model from {config.init_from} (weights only: step, optimizer and data start "
                         "afresh)")
         return TrainState()
 
@@ -223,42 +232,35 @@ class Trainer:
             raise UserError(f"init_from: {e}") from None
 
     def fit(self) -> dict[str, Any]:
-        args, state, activity = self.args, self.state, self.activity
+        config, state, activity = self.config, self.state, self.activity
         step, first_loss, self.last = state.step, None, {}
-        if step >= args.steps:
+        if step >= config.steps:
             logger.info(f"{self.run.root} already holds a finished run of {step} steps: nothing to train")
         start = time.perf_counter()
         with (
-            on_every_rank(lambda: ReadAhead(self.app.data.build_loader(args.data, self.tokenizer, self.launch.rank,
+            on_every_rank(lambda: ReadAhead(self.app.data.build_loader(config.data, self.tokenizer, self.launch.rank,
                                                                        self.launch.world_size, state.data))) as loader,
-            MetricLogger(self.run.metrics, step, args.logging, self.params["config"],
+            MetricLogger(self.run.metrics, step, config.logging, self.params["config"],
                          self.launch.rank == 0) as metrics,
-            StopSignal(args.distributed.stop_signal, args.distributed.timeout_minutes) as stop,
+            StopSignal(config.lifecycle.stop_signal, config.distributed.timeout_minutes) as stop,
         ):
-            if self.launch.rank == 0 and step < args.steps:
-                dump_config(args, self.run.config)  # the start has succeeded: the run's config now
+            if self.launch.rank == 0 and step < config.steps:
+                dump_config(config, self.run.config)  # the start has succeeded: the run's config now
             activity.now = f"the agreement before step {step + 1}"
-            stopping = step < args.steps and agree(stop, loader.prepare(args.grad_acc_steps))
+            stopping = step < config.steps and agree(stop, loader.prepare(config.grad_acc_steps))
             if state.evaluation_skipped and not stopping:  # the stop that saved this checkpoint skipped it
                 activity.now = f"the evaluation at step {step}"
                 self._evaluate(step, metrics)
-            while step < args.steps and not stopping:
+            while step < config.steps and not stopping:
                 activity.now = f"step {step + 1}"
-                lr = lr_at(step, args.optim, args.steps)
-                set_lr(self.optimizer, lr)
-                batches = [self.model.make_batch(next(loader).to(self.device, non_blocking=True), self.generator)
-                           for _ in range(args.grad_acc_steps)]
-                result = training_step(self.model, self.optimizer, batches, args.optim.clip)
+                lr, result = self._step(step, loader)
                 step += 1
-                self.guard.update(step, result.loss, result.grad_norm)
-                state.data_tokens += self.throughput.per_step["data_tokens"]
-                self.window.add(loss=result.loss, grad_norm=result.grad_norm, **result.stats)
                 before = time.perf_counter()
-                failure = loader.prepare(args.grad_acc_steps) if step < args.steps else None  # the next step's
+                failure = loader.prepare(config.grad_acc_steps) if step < config.steps else None  # the next step's
                 self.throughput.step(result.predicted_tokens, time.perf_counter() - before)
                 activity.now = f"the agreement after step {step}"
                 stopping = agree(stop, failure or metrics.failure)
-                if step % args.logging.freq == 0 or step == args.steps:
+                if step % config.logging.freq == 0 or step == config.steps:
                     activity.now = f"the log line of step {step}"
                     self._log(step, lr, loader, metrics)
                     first_loss = self.last["loss"] if first_loss is None else first_loss
@@ -266,21 +268,38 @@ class Trainer:
                 if not stopping:  # on a stop signal, save at once: the job may have little time left
                     activity.now = f"the evaluation at step {step}"
                     self._evaluate(step, metrics)
-                if step % args.checkpoint.every == 0 or step == args.steps or stopping:
+                if step % config.checkpoint.every == 0 or step == config.steps or stopping:
                     activity.now = f"saving checkpoint {step}"
                     self._save(step, loader, bool(stopping))
                 self.throughput.exclude(time.perf_counter() - pause)
             activity.now = "the last agreement"
             fail_together(metrics.failure)  # a record of the last step that could not be written
-        if step == args.steps:
-            activity.now = "the export of consolidated.pt"
-            export_consolidated(self.model, self.params, self.run.consolidated)
+        if step == config.steps:
+            activity.now = "saving consolidated.pt"
+            save_consolidated(self.model, self.params, self.run.consolidated)
+        return self._summary(step, first_loss, time.perf_counter() - start, stop.agreed)
+
+    def _summary(self, step: int, first_loss: float | None, seconds: float, stopped_by: str | None) -> dict[str, Any]:
+        """What the run did, logged and returned; a run stopped by the preemption signal asks SLURM to requeue it."""
         summary = {"steps": step, "first_loss": first_loss, "final_loss": self.last.get("loss"),
-                   "data_tokens": state.data_tokens, "seconds": round(time.perf_counter() - start, 1),
-                   "stopped_by": stop.agreed,
-                   "requeued": bool(stop.agreed) and requeue_slurm_job(stop.agreed, args.distributed)}
+                   "data_tokens": self.state.data_tokens, "seconds": round(seconds, 1), "stopped_by": stopped_by,
+                   "requeued": bool(stopped_by) and requeue_slurm_job(stopped_by, self.config.lifecycle)}
         logger.info("summary: " + " | ".join(f"{k} {v}" for k, v in summary.items()))
         return summary
+
+    def _step(self, step: int, loader: ReadAhead):
+        """Optimizer step `step + 1` (its learning rate, micro-batches, update), counted and checked; returns its
+        learning rate and result."""
+        config = self.config
+        lr = lr_at(step, config.optim, config.steps)
+        set_lr(self.optimizer, lr)
+        batches = [self.model.make_batch(next(loader).to(self.device, non_blocking=True), self.generator)
+                   for _ in range(config.grad_acc_steps)]
+        result = training_step(self.model, self.optimizer, batches, config.optim.clip)
+        self.guard.update(step + 1, result.loss, result.grad_norm)
+        self.state.data_tokens += self.throughput.per_step["data_tokens"]
+        self.window.add(loss=result.loss, grad_norm=result.grad_norm, **result.stats)
+        return lr, result
 
     def _log(self, step: int, lr: float, loader: ReadAhead, metrics: MetricLogger) -> None:
         """The window's means over steps and ranks, throughput and compute: one metrics record and one log line."""
@@ -292,12 +311,12 @@ class Trainer:
         record |= reduce_over_ranks(record, self.device, maximum=("memory_gib", "data_wait"),
                                     total=("malformed_lines",))
         metrics.log(record)
-        logger.info(format_progress(record, self.args.steps))
+        logger.info(format_progress(record, self.config.steps))
         self.last = record
 
     def _evaluate(self, step: int, metrics: MetricLogger) -> None:
         """The evaluations due at this step, on finite weights only, each logged; a new best of an evaluation's
-        keep_best metric exports its weights (the same record on every rank: evaluations are reduced)."""
+        keep_best metric saves its weights (the same record on every rank: evaluations are reduced)."""
         due = [evaluation for evaluation in self.evaluations if evaluation.due(step)]
         if due:
             self.guard.check()
@@ -315,8 +334,8 @@ class Trainer:
                             f"{', '.join(k for k in record if k != 'step')})")
         if self.state.best is None or record[key] > self.state.best[key]:
             self.state.best = record
-            export_consolidated(self.model, self.params, self.run.best_weights)
-            on_all_ranks(lambda: _write_json(self.run.best_record, record))
+            save_consolidated(self.model, self.params, self.run.best_weights)
+            on_rank_zero(lambda: _write_json(self.run.best_record, record))
 
     def _save(self, step: int, loader: ReadAhead, stopping: bool) -> None:
         self.guard.check_before_save(self.model, step)  # a non-finite state never becomes a checkpoint
@@ -342,18 +361,18 @@ def check_batch_shape(model, row_shape: tuple[int, ...], device: torch.device) -
 def main(app: App, argv: list[str] | None = None) -> None:
     """The command line of every app's train.py; exits with the status documented at the top of this module."""
     with command_line(f"python -m {app.name} config=PATH [key=value ...]: trains, or resumes, the run in dump_dir"):
-        args = load_config(app.args_cls, sys.argv[1:] if argv is None else argv)
+        config = load_config(app.args_cls, sys.argv[1:] if argv is None else argv)
     try:
-        summary = train(app, args)
+        summary = train(app, config)
     except UserError as e:
         _fail(str(e), 2)
-    except OSError as e:  # a full disk or a lost mount while writing logs, metrics or the export
+    except OSError as e:  # a full disk or a lost mount while writing logs, metrics or the weights
         _fail(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}", 2)
     except Diverged as e:
         _fail(str(e), EXIT_DIVERGED)
     except KeyboardInterrupt:
         _fail("interrupted: nothing was saved since the last checkpoint", 130)
-    if summary["stopped_by"] and summary["stopped_by"] != args.distributed.stop_signal:
+    if summary["stopped_by"] and summary["stopped_by"] != config.lifecycle.stop_signal:
         sys.exit(EXIT_STOPPED)
 
 

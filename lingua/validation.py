@@ -28,7 +28,7 @@ class ValidationArgs:
     batch_size: int = 16  # sequences per forward pass
     seed: int = 1234  # the masking of the validation set is the same at every validation and in every run
     keep_best: str = ""  # a validation metric, higher is better (e.g. val/score): the weights where it is highest
-    # so far are exported to DUMP_DIR/best.pt, their validation record to best.json
+    # so far are saved to DUMP_DIR/best.pt, their validation record to best.json
 
     def __post_init__(self):
         at_least(self, 0, "every", "seed")

@@ -123,7 +123,7 @@ def test_help_prints_whole_comments_and_no_hash_inside_a_string():
     from tools.tables import TablesArgs
 
     assert "2 (CrossBERT's masking ratio), 4 (predictor), 5 (CMS)" in config_help(TablesArgs)  # across a line break
-    assert "highest so far are exported to DUMP_DIR/best.pt, their validation record to best.json" in \
+    assert "highest so far are saved to DUMP_DIR/best.pt, their validation record to best.json" in \
         config_help(ValidationArgs)
     assert "scaling_*.yaml, or those of the app its laws name)\n" in config_help(PlanArgs)
     lines = config_help(Commented).splitlines()[1:]

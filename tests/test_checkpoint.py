@@ -45,14 +45,14 @@ def test_incomplete_checkpoint_is_ignored_and_old_ones_pruned(tmp_path):
 
 def _export(argv, capsys) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exit_info:
-        checkpoint_main(["export", *map(str, argv)])
+        checkpoint_main(["consolidate", *map(str, argv)])
     return exit_info.value.code, capsys.readouterr().err
 
 
 def test_export_answers_bad_inputs_in_one_line(corpus, tmp_path, capsys):
     dump = tmp_path / "run"
     train(APP, load_config(APP.args_cls, tiny_argv(corpus, dump, steps=2)))
-    checkpoint_main(["export", str(dump), str(tmp_path / "out.pt")])
+    checkpoint_main(["consolidate", str(dump), str(tmp_path / "out.pt")])
     assert load_model(tmp_path / "out.pt")[0] is not None
     (tmp_path / "junk.bin").write_bytes(b"\x00" * 64)
     damaged = tmp_path / "damaged"
@@ -60,7 +60,7 @@ def test_export_answers_bad_inputs_in_one_line(corpus, tmp_path, capsys):
     (damaged / "__0_0.distcp").write_bytes(b"")
     (tmp_path / "a_file").write_text("")
     for argv, message in [
-        ([tmp_path / "junk.bin", tmp_path / "x.pt"], "junk.bin is a file; export takes a checkpoint folder"),
+        ([tmp_path / "junk.bin", tmp_path / "x.pt"], "junk.bin is a file; consolidate takes a checkpoint folder"),
         ([tmp_path, tmp_path / "x.pt"], "no complete checkpoint, consolidated.pt or params.json found"),
         ([damaged, tmp_path / "x.pt"], "is damaged: __0_0.distcp has 0 bytes"),
         ([dump, tmp_path / "a_file" / "x.pt"], "cannot write"),

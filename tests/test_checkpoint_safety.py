@@ -74,8 +74,8 @@ def test_crafted_metadata_runs_no_code_when_opened(tmp_path, hidden, capsys):
     assert not marker.exists()
     assert f"checkpoint {checkpoint} is damaged: .metadata: UnpicklingError: refused " in str(refused.value)
     assert len(str(refused.value).splitlines()) == 1
-    with pytest.raises(SystemExit) as exit_info:  # python -m lingua.checkpoint export
-        checkpoint_main(["export", str(tmp_path), str(tmp_path / "out.pt")])
+    with pytest.raises(SystemExit) as exit_info:  # python -m lingua.checkpoint consolidate
+        checkpoint_main(["consolidate", str(tmp_path), str(tmp_path / "out.pt")])
     with pytest.raises(SystemExit) as export_exit:  # python -m lingua.export
         export_main([f"ckpt={tmp_path}", f"out={tmp_path / 'hf'}"])
     err = capsys.readouterr().err

@@ -15,7 +15,7 @@ import torch
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
 from lingua.args import UserError, load_config, to_dict
-from lingua.checkpoint import build_from_params, export_consolidated, load_model
+from lingua.checkpoint import build_from_params, load_model, save_consolidated
 from lingua.embed import load_embedder
 from lingua.eval.features import encode_example, pad_batch
 from lingua.export import MARKER, ExportArgs, beside, export, main
@@ -112,7 +112,7 @@ def test_gpt2_tokenizer_and_model_match_ours(tmp_path):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    checkpoint = export_consolidated(model, params, tmp_path / "run" / "consolidated.pt")
+    checkpoint = save_consolidated(model, params, tmp_path / "run" / "consolidated.pt")
     folder = export_to(tmp_path / "hf", checkpoint)
     embedder = load_embedder(str(checkpoint), "cpu")
     assert_transformers_matches(folder, embedder)

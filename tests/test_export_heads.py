@@ -17,7 +17,7 @@ from apps.crossbert.train import APP as CROSSBERT
 from apps.electra.train import APP as ELECTRA
 from apps.finetune.train import APP as FINETUNE
 from lingua.args import UserError, load_config, to_dict
-from lingua.checkpoint import build_from_params, export_consolidated
+from lingua.checkpoint import build_from_params, save_consolidated
 from lingua.eval.features import encode_example, mean_pool, pad_batch
 from lingua.eval.glue import TASKS
 from lingua.export import ExportArgs, export
@@ -45,7 +45,7 @@ def tiny_checkpoint(app, run: Path, settings: list[str], seed: int = 0) -> tuple
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    return model.eval(), tokenizer, export_consolidated(model, params, run / "consolidated.pt")
+    return model.eval(), tokenizer, save_consolidated(model, params, run / "consolidated.pt")
 
 
 def export_to(out: Path, checkpoint: Path, **options) -> Path:

@@ -19,7 +19,7 @@ from lingua.checkpoint import (
     CheckpointArgs,
     CheckpointManager,
     build_from_params,
-    export_consolidated,
+    save_consolidated,
 )
 from lingua.data import DataArgs
 from lingua.eval import features, glue
@@ -300,7 +300,7 @@ def tiny_run(run_dir: Path, app: str = "bert", consolidated: bool = True) -> Pat
     model, _, _ = build_from_params(params)
     run_dir.mkdir(parents=True)
     if consolidated:
-        return export_consolidated(model, params, run_dir / "consolidated.pt")
+        return save_consolidated(model, params, run_dir / "consolidated.pt")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return CheckpointManager(run_dir / "checkpoints", CheckpointArgs()).save(10, model, optimizer, {}, params)
 

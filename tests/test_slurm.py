@@ -197,7 +197,7 @@ def test_a_preempted_stage_is_requeued_and_its_dependents_wait_for_it(slurm_clus
     itself here), which must not count as done: the stage's job goes back in the queue, the run resumes, and only
     then does the next stage start."""
     train = " ".join([*tiny_argv(corpus, tmp_path / "train", 200), "checkpoint.every=1000", "validation.every=0",
-                      "distributed.requeue=false"])
+                      "lifecycle.requeue=false"])
     spec = pipeline_file(tmp_path, f"""\
         train:
           run: apps.bert.train {train}
