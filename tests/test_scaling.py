@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from lingua.scaling import PowerLaw, best_per_group, fit_power_law
-from tools import scaling
+from tools import scaling, scaling_plots, scaling_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,8 +172,8 @@ def test_the_probes_plot_has_a_panel_per_benchmark_and_a_pattern_names_the_runs(
             (run / "mteb_eval" / "contrastive_frozen").mkdir(parents=True)
             (run / "mteb_eval" / "contrastive_frozen" / "results.json").write_text(json.dumps(
                 {"args": {"benchmark": "MTEB(eng, v2)", "offline": ""}, "summary": {"Avg.": 50 + offset}}))
-    runs = scaling.run_dirs(f"{tmp_path}/pipeline/*/pretrain")
-    assert len(runs) == 4 and scaling.read_run(runs[-1])["mteb"] == {"MTEB(eng, v2)": {"Avg.": 52.0}}
+    runs = scaling_runs.run_dirs(f"{tmp_path}/pipeline/*/pretrain")
+    assert len(runs) == 4 and scaling_runs.read_run(runs[-1])["mteb"] == {"MTEB(eng, v2)": {"Avg.": 52.0}}
     out = tmp_path / "figure1.png"
     scaling.main(["plot", "kind=probes", f"runs={tmp_path}/pipeline/*/pretrain", f"out={out}"])
     width = int.from_bytes(out.read_bytes()[16:20], "big")  # the PNG header's width: 120 dpi x (1 + 5 per panel)
@@ -191,10 +191,10 @@ def test_the_training_plot_draws_each_runs_probe_scores_against_compute(tmp_path
                 f.write("\n" + json.dumps({"step": step, "glue/sst2/linear": score + offset + 1,
                                            "glue/avg/linear": score + offset, "glue/avg/knn": 1.0,
                                            "glue/avg/linear/layer0": 2.0}))
-    runs = [scaling.read_run(d) for d in scaling.run_dirs(f"{tmp_path}/pipeline/*/pretrain")]
-    assert scaling.probe_curves(runs[1], "linear") == {"sst2": [(5e14, 53.0), (1e15, 58.0)],
+    runs = [scaling_runs.read_run(d) for d in scaling_runs.run_dirs(f"{tmp_path}/pipeline/*/pretrain")]
+    assert scaling_runs.probe_curves(runs[1], "linear") == {"sst2": [(5e14, 53.0), (1e15, 58.0)],
                                                        "avg": [(5e14, 52.0), (1e15, 57.0)]}
-    assert scaling.probe_curves(runs[0], "knn") == {"avg": [(5e14, 1.0), (1e15, 1.0)]}
+    assert scaling_runs.probe_curves(runs[0], "knn") == {"avg": [(5e14, 1.0), (1e15, 1.0)]}
     out = tmp_path / "figure6.png"
     scaling.main(["plot", "kind=training", f"runs={tmp_path}/pipeline/*/pretrain", f"out={out}"])
     width = int.from_bytes(out.read_bytes()[16:20], "big")  # 120 dpi x (1 + 4 per panel): the average and sst2
@@ -228,10 +228,10 @@ def test_figures_3_and_4_draw_a_panel_per_glue_task_and_per_mteb_task_type(tmp_p
             (run / "mteb_eval" / "contrastive_frozen" / "results.json").write_text(json.dumps(
                 {"args": {"benchmark": "MTEB(eng, v2)", "offline": ""}, "summary": summary}))
     runs = f"runs={tmp_path}/figure1/*/pretrain"
-    run = scaling.read_run(tmp_path / "figure1" / "crossbert_1e+15" / "pretrain")
-    assert list(scaling.task_scores(run, scaling.PlotArgs(kind="glue_tasks"))) == ["mnli", "sst2", "cola", "rte",
-                                                                                    "stsb"]
-    assert scaling.task_scores(run, scaling.PlotArgs(kind="mteb_types")) == {
+    run = scaling_runs.read_run(tmp_path / "figure1" / "crossbert_1e+15" / "pretrain")
+    assert list(scaling_plots.task_scores(run, scaling_plots.PlotArgs(kind="glue_tasks"))) == [
+        "mnli", "sst2", "cola", "rte", "stsb"]
+    assert scaling_plots.task_scores(run, scaling_plots.PlotArgs(kind="mteb_types")) == {
         kind: 42.0 + i for i, kind in enumerate(types)}
     for kind, panels in (("glue_tasks", 5), ("mteb_types", 5)):
         out = tmp_path / f"{kind}.png"
@@ -251,7 +251,7 @@ def test_figure_5_draws_each_sources_validation_loss_with_the_law_of_the_final_l
                 for step, loss in ((10, 5.0), (20, 4.0 - math.log10(compute) / 10)):
                     f.write("\n" + json.dumps({"step": step, "val/loss": loss, "val/loss/dclm": loss - 0.5,
                                                "val/loss/wikipedia": loss + 0.5}))
-    run = scaling.read_run(tmp_path / "figure1" / "bert_1e+15" / "pretrain")
+    run = scaling_runs.read_run(tmp_path / "figure1" / "bert_1e+15" / "pretrain")
     assert run["source_curves"] == {"dclm": [(5e14, 4.5), (1e15, 2.0)], "wikipedia": [(5e14, 5.5), (1e15, 3.0)]}
     out = tmp_path / "figure5.png"
     scaling.main(["plot", "kind=sources", f"runs={tmp_path}/figure1/*/pretrain", f"out={out}"])
@@ -289,8 +289,8 @@ def test_appendix_h_heatmaps_mark_the_best_runs_per_size_and_fit_their_laws(tmp_
                 loss = 3.0 + math.log(lr_factor) + math.log(1 / bsz_factor)
                 fake_run(tmp_path / "sweep" / f"d{size}_lr{lr_factor}_b{bsz_factor}", "crossbert", size,
                          lr_law(compute) * lr_factor, round(bsz_law(compute) * bsz_factor), compute, [loss + 1, loss])
-    runs = scaling.validated_runs(str(tmp_path / "sweep"))
-    kept, fits = scaling.fitted_hyperparameters(runs, keep=1)
+    runs = scaling_runs.validated_runs(str(tmp_path / "sweep"))
+    kept, fits = scaling_runs.fitted_hyperparameters(runs, keep=1)
     assert [run["dir"].name for run in kept] == ["d128_lr1.0_b1.0", "d64_lr1.0_b1.0"]  # sizes "128x2" < "64x2"
     assert fits["lr"].law.exponent == pytest.approx(-0.24) and fits["bsz"].law.exponent == pytest.approx(0.24, abs=1e-3)
     out = tmp_path / "heatmaps.png"
@@ -321,7 +321,7 @@ def test_figure1_pipeline_validates_on_both_sources_on_every_world_size_and_plot
         check_validation_split(args.validation, launcher.nodes * launcher.gpus_per_node)
     plots = {stage.name: stage for stage in pipeline.stages if stage.name.startswith("figure")}
     assert sorted(plots) == ["figure3", "figure4", "figure5"]
-    kinds = {name: load_config(scaling.PlotArgs, stage.args[1:]).kind for name, stage in plots.items()}
+    kinds = {name: load_config(scaling_plots.PlotArgs, stage.args[1:]).kind for name, stage in plots.items()}
     assert kinds == {"figure3": "mteb_types", "figure4": "glue_tasks", "figure5": "sources"}
 
 

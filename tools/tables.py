@@ -21,9 +21,6 @@ DeBERTaV3), in a section of its own; under a paper's row that contradicts anothe
 note says how (tools/paper.yaml, notes). Prints Markdown, and writes it to `out` if given.
 """
 
-import json
-import re
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +29,9 @@ from lingua.args import UserError, command_line, load_config
 from lingua.eval.glue import TASKS
 from lingua.eval.mteb import CATEGORIES
 from lingua.files import atomic_write
-from lingua.metrics import read_metrics
-from lingua.run_folder import RESULTS, RunFolder
 from tools import paper
-from tools.eval.mteb import benchmark_of
-from tools.finetune.table import choose, metric_names, read_results
+from tools.finetune.table import metric_names
+from tools.pipeline_results import Variant, read_pipeline
 
 SHORT = {"Classification": "Class.", "Clustering": "Clust.", "PairClassification": "PairClass.",
          "Reranking": "Rerank.", "Retrieval": "Retriev.", "STS": "STS", "Summarization": "Summ."}
@@ -50,95 +45,9 @@ class TablesArgs:
     out: str = ""  # also write the table here
 
 
-# ------------------------------------------------------------------------------------------------ results
-
-
-def pretraining(run: Path) -> dict | None:
-    """Parameters, FLOPs and token-views/s per process (GPU) of a pre-training run, or None before it has logged a
-    step. The processes are those of its latest start (train.log: "on N process(es)"); tps is None without it."""
-    records = [r for r in read_metrics(RunFolder(run).metrics) if "loss" in r] if run.is_dir() else []
-    if not records:
-        return None
-    log = RunFolder(run).log.read_text(errors="replace") if RunFolder(run).log.exists() else ""
-    found = re.search(r": ([\d,]+) parameters", log)
-    worlds = re.findall(r" on (\d+) process\(es\)", log)
-    views_per_s = statistics.median(r["token_views_per_s"] for r in records[1:] or records)  # over all processes
-    return {"params": int(found.group(1).replace(",", "")) if found else None,
-            "flops": records[-1]["compute_flops"],
-            "tps": views_per_s / int(worlds[-1]) if worlds else None}
-
-
-def probe_scores(folder: Path) -> dict[str, dict[str, float]]:
-    """{probe: {task: score}} of a GLUE probe results file (the last layer)."""
-    return layer_scores(folder).get("last", {})
-
-
-def layer_scores(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
-    """{layer: {probe: {task: score}}} of a GLUE probe results file, its layers in order ("last" after the indices)."""
-    path = folder / RESULTS
-    if not path.exists():
-        return {}
-    summary = json.loads(path.read_text())["summary"]
-    return {layer: {probe: {t: s for t, s in scores.items() if t != "avg"} for probe, scores in summary[layer].items()}
-            for layer in sorted(summary, key=lambda name: (name == "last", int(name) if name.isdigit() else 0))}
-
-
-def finetune_scores(variant_dir: Path) -> dict[str, float]:
-    """{task: score} of the variant's fine-tuning sweeps (its finetune*/ folders: e.g. MNLI first, then the tasks
-    that start from it)."""
-    results, _ = read_results(sorted(variant_dir.glob("finetune*")))
-    chosen = choose(results)
-    if len(chosen) > 1:
-        raise UserError(f"{variant_dir} holds fine-tuning runs of {len(chosen)} pre-trained models: one expected")
-    return {task: entry["score"] for tasks in chosen.values() for task, entry in tasks.items()}
-
-
-def mteb_results(folder: Path) -> dict[tuple[str, str], dict]:
-    """{(benchmark, protocol): results.json} of the variant's MTEB evaluations (benchmark: `benchmark_of`, which
-    names a subset by its tasks)."""
-    sections = {}
-    for path in sorted(folder.glob(f"mteb_*/{RESULTS}")):
-        protocol = path.parent.name.rsplit("_", 1)[-1]
-        if protocol in ("frozen", "full"):
-            results = json.loads(path.read_text())
-            sections[(benchmark_of(results), protocol)] = results
-    return sections
-
-
 def whole_benchmark(benchmark: str) -> bool:
     """Whether results named so (`benchmark_of`) are a whole benchmark of the paper's, beside which its rows belong."""
     return any(benchmark == published for published, _ in paper.MTEB)
-
-
-@dataclass
-class Variant:
-    name: str
-    keys: dict
-    pretrain: dict | None
-    probes: dict[str, dict[str, float]]
-    layers: dict[str, dict[str, dict[str, float]]]  # probes_layers/: {layer: {probe: {task: score}}}
-    finetune: dict[str, float]
-    mteb_runs: dict[tuple[str, str], dict]  # results.json per (benchmark, protocol)
-
-    @property
-    def label(self) -> str:
-        return str(self.keys.get("row", self.name))
-
-    @property
-    def model(self) -> str:
-        """The paper's name of the model, e.g. BERT for the variant bert; another variant keeps its name."""
-        return paper.NAMES.get(self.name, self.name)
-
-
-def read_pipeline(folder: Path) -> list[Variant]:
-    record = folder / "pipeline.json"
-    if not record.exists():
-        raise UserError(f"{folder} holds no pipeline (pipeline.json): python -m lingua.stool pipeline writes it")
-    variants = json.loads(record.read_text())["variants"]
-    return [Variant(name, keys, pretraining(folder / name / "pretrain"), probe_scores(folder / name / "probes"),
-                    layer_scores(folder / name / "probes_layers"), finetune_scores(folder / name),
-                    mteb_results(folder / name))
-            for name, keys in variants.items()]
 
 
 # ------------------------------------------------------------------------------------------------ layout

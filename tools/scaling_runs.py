@@ -1,0 +1,142 @@
+"""A sweep's runs as the scaling commands read them: the run folders a `runs=` spec names, what each holds (its app,
+shape, compute, validation curves, frozen GLUE and MTEB scores), and the LR and BSZ power laws fitted to the best of
+them. tools.scaling's fit and table and tools.scaling_plots all read runs through here; the plan does not.
+"""
+
+import contextlib
+import glob
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lingua.app import short_name
+from lingua.args import UserError, require
+from lingua.checkpoint import Checkpoint
+from lingua.metrics import read_metrics
+from lingua.run_folder import METRICS, RunFolder
+from lingua.scaling import best_per_group, fit_power_law
+from tools.eval.mteb import benchmark_of
+
+PROBES = ("linear", "knn")
+
+
+def require_probe(probe: str) -> None:
+    require(probe in PROBES, "probe", f"must be linear or knn, got '{probe}'")
+
+
+def run_dirs(spec: str) -> list[Path]:
+    """Every dump_dir under the given sweep folders (those holding a metrics.jsonl), or the dump_dirs themselves;
+    a pattern (dump/pipelines/figure1/*/pretrain) stands for the folders it matches."""
+    folders = [Path(p) for part in spec.split(",") if part.strip()
+               for p in (sorted(glob.glob(part.strip())) if glob.has_magic(part) else [part.strip()])]
+    if not folders:
+        raise UserError("runs= is required: sweep folders or dump_dirs, comma-separated")
+    found = []
+    for folder in folders:
+        if not folder.is_dir():
+            raise UserError(f"{folder} is not a folder")
+        found += [folder] if RunFolder(folder).metrics.exists() else sorted(
+            p.parent for p in folder.glob(f"*/{METRICS}"))
+    if not found:
+        raise UserError(f"no run (a folder with metrics.jsonl) in {spec}")
+    return found
+
+
+def read_run(dump_dir: Path) -> dict[str, Any]:
+    """What the fits and plots need from one run's dump_dir."""
+    config = yaml.safe_load(RunFolder(dump_dir).config.read_text())
+    train, val, probed = [], [], []
+    for record in read_metrics(RunFolder(dump_dir).metrics):
+        is_probe = any(key.startswith("glue/") for key in record)
+        (val if "val/loss" in record else train if "loss" in record else probed if is_probe else []).append(record)
+    if not train:
+        raise UserError(f"{dump_dir} has no training metrics yet")
+    last = train[-1]
+    flops_per_step = last["compute_flops"] / last["step"]
+    views_per_token = last["token_views_per_s"] / last["data_tokens_per_s"]
+    encoder = config["model"]["encoder"]
+    return {
+        "dir": dump_dir, "app": _app_of(dump_dir), "lr": config["optim"]["lr"],
+        "bsz": round(last["data_tokens"] / last["step"] * views_per_token),  # views per token: 1 or 2 (CMS)
+        "size": f"{encoder['dim']}x{encoder['n_layers']}", "compute": last["compute_flops"],
+        "val_curve": [(r["step"] * flops_per_step, r["val/loss"]) for r in val],
+        "source_curves": source_curves(val, flops_per_step),
+        "final_val_loss": val[-1]["val/loss"] if val else None,
+        "probes": _probe_results(dump_dir),
+        "mteb": _mteb_results(dump_dir),
+        "probe_curve": [(r["step"] * flops_per_step, r) for r in probed],
+    }
+
+
+def source_curves(val: list[dict], flops_per_step: float) -> dict[str, list[tuple[float, float]]]:
+    """{source: [(compute, loss)]} of the validation records' per-source losses (val/loss/SOURCE)."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for record in val:
+        for key, loss in record.items():
+            if key.startswith("val/loss/"):
+                curves.setdefault(key.removeprefix("val/loss/"), []).append((record["step"] * flops_per_step, loss))
+    return curves
+
+
+def probe_curves(run: dict[str, Any], probe: str) -> dict[str, list[tuple[float, float]]]:
+    """{task or "avg": [(compute, score)]} of the last layer's `probe` scores logged during the run's training."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for compute, record in run["probe_curve"]:
+        for key, score in record.items():
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "glue" and parts[2] == probe:
+                curves.setdefault(parts[1], []).append((compute, score))
+    return curves
+
+
+def _app_of(dump_dir: Path) -> str:
+    """The short name of the app that trained the run: from stool's job record, else its newest checkpoint or
+    export, else the first line of its log ("MODULE: N parameters ...")."""
+    job = RunFolder(dump_dir).job_record
+    if job.exists():
+        return short_name(json.loads(job.read_text())["script"])
+    with contextlib.suppress(UserError):
+        return short_name(Checkpoint.open(dump_dir).app_name)
+    log = RunFolder(dump_dir).log.read_text(errors="replace") if RunFolder(dump_dir).log.exists() else ""
+    found = re.search(r" (\S+): [\d,]+ parameters", log)
+    return short_name(found.group(1)) if found else "?"
+
+
+def _probe_results(dump_dir: Path) -> dict[str, dict[str, float]]:
+    """{probe: {task: score, "avg": GLUE average}} of the newest frozen evaluation of the run's final weights."""
+    results = sorted(RunFolder(dump_dir).evaluation_results("glue"), key=lambda p: p.stat().st_mtime)
+    if not results:
+        return {}
+    return json.loads(results[-1].read_text())["summary"].get("last", {})
+
+
+def _mteb_results(dump_dir: Path) -> dict[str, dict[str, float]]:
+    """{benchmark: its summary (a score per task type, Avg., Overall)} of the newest MTEB evaluation per benchmark
+    filed with the run (DUMP_DIR/mteb_eval/*/: the contrastive model trained from it, evaluated with tools.eval.mteb
+    out=DUMP_DIR/mteb_eval/NAME)."""
+    found: dict[str, dict[str, float]] = {}
+    for path in sorted(RunFolder(dump_dir).evaluation_results("mteb"), key=lambda p: p.stat().st_mtime):
+        results = json.loads(path.read_text())
+        found[benchmark_of(results)] = results["summary"]
+    return found
+
+
+def fitted_hyperparameters(runs: list[dict[str, Any]], keep: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(the best `keep` runs per model size by final validation loss, {"lr": Fit, "bsz": Fit}: the power laws of
+    compute fitted to them by log-log least squares, section 5.1)."""
+    if len({run["size"] for run in runs}) < 2:
+        raise UserError("fitting needs finished runs with a validation loss at two or more model sizes")
+    kept = best_per_group(runs, "size", "final_val_loss", keep)
+    try:
+        return kept, {name: fit_power_law([run["compute"] for run in kept], [run[name] for run in kept])
+                      for name in ("lr", "bsz")}
+    except ValueError as e:
+        raise UserError(f"the kept runs cannot be fitted: {e}") from None
+
+
+def validated_runs(spec: str) -> list[dict[str, Any]]:
+    """The runs of `spec` that have a validation loss (what the fits read)."""
+    return [run for run in map(read_run, run_dirs(spec)) if run["final_val_loss"] is not None]
