@@ -307,7 +307,8 @@ def test_figure1_pipeline_validates_on_both_sources_on_every_world_size_and_plot
     (up to 128 processes: CrossBERT model 8), and the plot stages are valid tools.scaling commands."""
     from lingua.app import load_app, short_name
     from lingua.args import load_config
-    from lingua.pipeline import load_pipeline, stage_launcher
+    from lingua.pipeline import stage_launcher
+    from lingua.pipeline_plan import load_pipeline
     from lingua.validation import check_validation_split
 
     pipeline = load_pipeline(str(ROOT / "docs/pipelines/figure1.yaml"))
