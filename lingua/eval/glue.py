@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from lingua.args import UserError, at_least
-from lingua.data import SkippedRows
+from lingua.documents import SkippedRows
 from lingua.eval import probes
 from lingua.eval.features import DEFAULT_MAX_LEN, FeatureCache, extract_features, resolve_layers
 
