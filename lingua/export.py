@@ -40,7 +40,7 @@ from tiktoken_ext.openai_public import r50k_pat_str
 from lingua.args import UserError, command_line, load_config
 from lingua.checkpoint import Checkpoint
 from lingua.embed import Embedder, load_embedder
-from lingua.eval.glue import TASKS
+from lingua.eval.glue_data import TASKS
 from lingua.eval.report import format_table
 from lingua.files import atomic_write, fsync_dir
 from lingua.masking import MaskedLMHead

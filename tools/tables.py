@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lingua.args import UserError, command_line, load_config
-from lingua.eval.glue import TASKS
+from lingua.eval.glue_data import TASKS
 from lingua.eval.mteb import CATEGORIES
 from lingua.files import atomic_write
 from lingua.metrics import read_metrics
