@@ -32,13 +32,14 @@ import torch
 from torch import nn
 
 from lingua.args import UserError, load_config
-from lingua.data import build_train_loader, load_validation, repartition
+from lingua.data import build_train_loader, repartition
 from lingua.distributed import DistributedArgs, Launch
 from lingua.masking import MaskedLMHead
 from lingua.parallel import parallelize
 from lingua.pooler import AttentionPooler
 from lingua.scaling import ScalingLaws
 from lingua.transformer import Encoder, PreNormBlock, TransformerArgs, init_weights, trunc_normal_
+from lingua.validation_rows import load_validation
 
 
 class AppModel(nn.Module, abc.ABC):
@@ -121,7 +122,7 @@ class DataPipeline:
     build_loader: Callable  # (data args, tokenizer, rank, world_size, state or None) -> endless iterator of batches
     # with state_dict() (plain JSON: where the next batch starts), malformed_lines and close()
     load_validation: Callable  # (data args, tokenizer, n_rows) -> fixed validation rows, the batch first (a tensor,
-    # or lingua.data.ValidationRows: rows of several sources)
+    # or lingua.validation_rows.ValidationRows: rows of several sources)
     repartition: Callable  # (states saved by N ranks, world_size, data args) -> one state per new rank
     row_shape: Callable  # (data args) -> the shape of one row of a batch, e.g. (seq_len,)
     check: Callable = lambda args: {}  # (data args as given) -> facts `configure` decides from, e.g. {"train_rows":

@@ -5,15 +5,10 @@ document per line. Documents are tokenized as `<s> text </s>` (RoBERTa's format,
 lingua/eval/features.py, feeds the encoder), concatenated and cut into rows of exactly seq_len tokens (no padding), a
 document that does not fit continuing in the next row of its source.
 
-Sharding: the chunks of a source are treated as one byte stream of T bytes; rank r owns the lines that START in bytes
-[r*T/W, (r+1)*T/W). Every line starts in exactly one range, so each line is used exactly once per epoch for any number
-of ranks and chunks (fewer chunks than ranks, uneven sizes), and a rank reads only its own contiguous slice plus at
-most one partial line to find its first line boundary.
-
 Mixing: each packed row is drawn from one source, chosen by weight with a per-rank seeded numpy RNG. Sampling per row
 (rather than per document) makes the weights token proportions, whatever the document lengths, and keeps one carry-over
-buffer per source. That buffer is always the unconsumed tail of a single document, so the state stores where that
-document's line starts plus a token offset and rebuilds the buffer exactly by re-reading that one line.
+buffer per source. Which lines of a source each rank reads, and the state that resumes it exactly, are those of
+lingua/source_stream.py; the validation rows are lingua/validation_rows.py's.
 """
 
 import collections
@@ -29,6 +24,7 @@ import numpy as np
 import torch
 
 from lingua.args import UserError, at_least, require
+from lingua.source_stream import SourceStream, line_start_at_or_after, rank_segments
 from lingua.tokenizer import TokenizerArgs
 
 logger = logging.getLogger(__name__)
@@ -54,7 +50,7 @@ class DataArgs:
                     f"weights must be >= 0 with a positive sum, got {getattr(self, name)}")
 
 
-def _check_args(args: DataArgs) -> None:
+def check_args(args: DataArgs) -> None:
     if not os.path.isdir(args.root_dir):
         raise UserError(f"data root_dir not found: '{args.root_dir}'")
     if not args.sources:
@@ -72,187 +68,6 @@ def _train_files(args: DataArgs, name: str) -> list[str]:
     return [os.path.join(folder, f) for f in files]
 
 
-class SkippedRows:
-    """The bad rows of one file (or of one rank's share of it), skipped and counted: the file gets one warning, with
-    the count and where the first one is."""
-
-    def __init__(self):
-        self.count, self.first = 0, ""
-
-    def add(self, where: str) -> None:
-        self.count += 1
-        self.first = self.first or where
-
-    def warning(self, path, rows: str) -> str:
-        return f"{path}: skipped {self.count} {rows} (the first at {self.first})"
-
-
-def _document(tokenizer, line: bytes) -> list[int] | None:
-    """The tokens of one JSONL line's document (<s> text </s>), or None when the line is malformed."""
-    try:
-        doc = json.loads(line.decode("utf-8")) if line.strip() else None
-        text = doc.get("text") if isinstance(doc, dict) else None
-        if isinstance(text, str):
-            return [tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id]
-    except (ValueError, RecursionError):  # bad UTF-8 or JSON, lone surrogates, a number past the digit limit, nesting
-        pass
-    return None
-
-
-def _rank_segments(files: list[str], sizes: list[int], rank: int, world_size: int) -> list[list]:
-    """[path, start, end, 0]: rank `rank` of `world_size` reads the lines of path that start in [start, end)."""
-    total = sum(sizes)
-    lo, hi = rank * total // world_size, (rank + 1) * total // world_size
-    segments, file_start = [], 0
-    for path, size in zip(files, sizes):
-        start, end = max(lo - file_start, 0), min(hi - file_start, size)
-        if start < end and (start := _line_start_at_or_after(path, start)) < end:
-            segments.append([path, start, end, 0])
-        file_start += size
-    return segments
-
-
-class _SourceStream:
-    """One rank's share of one source: an endless stream of tokens, epoch after epoch.
-
-    A segment is [path, start, end, skip]: the lines starting in [start, end) of path, the first `skip` tokens of its
-    first document already used. Every epoch reads the rank's own byte range, except an epoch resumed on another
-    number of ranks, which reads the segments it was handed (`repartition`).
-
-    Malformed lines are skipped; those of the first epoch are counted (later epochs meet the same lines again), with
-    one warning for each segment the rank leaves: its share of one file."""
-
-    def __init__(self, name: str, files: list[str], rank: int, world_size: int, tokenizer):
-        self.name, self.rank = name, rank
-        self.identities = {f: _identity(os.stat(f)) for f in files}  # what each file was when the run started
-        sizes = [identity[0] for identity in self.identities.values()]
-        self.total_bytes = sum(sizes)
-        self.own_segments = _rank_segments(files, sizes, rank, world_size)
-        if not self.own_segments:
-            raise UserError(f"data source '{name}' is too small to give rank {rank} of {world_size} any line")
-        self.segments = self.own_segments  # this epoch's
-        self.tokenizer = tokenizer
-        self.malformed = 0  # lines skipped in the first epoch
-        self.skipped, self.skipped_from = SkippedRows(), self.segments[0][1]  # those of this segment, since that byte
-        self.epoch, self.seg, self.pos = 0, 0, self.segments[0][1]  # next line to read
-        self.doc: list[int] = []  # current document (with eos) and how much of it is already handed out
-        self.doc_seg, self.doc_pos, self.doc_off = 0, 0, 0
-        self.skip = 0  # tokens of the next document already used in an earlier run
-        self.file = None
-        self.wraps_without_doc = 0
-
-    def take(self, n: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < n:
-            if self.doc_off == len(self.doc):
-                self.doc, self.doc_off, self.skip = self._next_doc(), self.skip, 0
-            k = min(n - len(out), len(self.doc) - self.doc_off)
-            out += self.doc[self.doc_off : self.doc_off + k]
-            self.doc_off += k
-        return out
-
-    def _next_doc(self) -> list[int]:
-        while True:
-            path, _, end, _ = self.segments[self.seg]
-            if self.pos >= end:
-                self._next_segment()
-                continue
-            if self.file is None:
-                self.file = self._open(path)
-                self.file.seek(self.pos)
-            line = self.file.readline()
-            if not line.endswith(b"\n") and self.pos + len(line) < self.identities[path][0]:
-                size = os.fstat(self.file.fileno()).st_size
-                raise UserError(f"data file {path} shrank under the running job ({self.identities[path][0]:,} bytes "
-                                f"at the start, {size:,} now): {_CHANGED}")
-            offset, self.pos = self.pos, self.pos + len(line)
-            doc = _document(self.tokenizer, line)
-            if doc is not None:
-                self.wraps_without_doc = 0
-                self.doc_seg, self.doc_pos = self.seg, offset
-                return doc
-            if self.epoch == 0:
-                self.malformed += 1
-                self.skipped.add(f"byte {offset:,}")
-
-    def _next_segment(self) -> None:
-        self.close()
-        path, _, end, _ = self.segments[self.seg]
-        if self.skipped.count:
-            logger.warning(self.skipped.warning(path, f"malformed lines in bytes [{self.skipped_from:,}, {end:,})"))
-        self.seg += 1
-        if self.seg >= len(self.segments):
-            self.wraps_without_doc += 1
-            if self.wraps_without_doc > 1:  # a whole epoch passed without one valid document
-                raise UserError(f"data source '{self.name}' has no valid document in rank {self.rank}'s share of "
-                                f"{os.path.dirname(self.own_segments[0][0])}: every line is malformed")
-            self.epoch, self.seg, self.segments = self.epoch + 1, 0, self.own_segments
-            logger.info(f"data source '{self.name}': rank {self.rank} starts epoch {self.epoch}")
-        self.pos, self.skip = self.segments[self.seg][1], self.segments[self.seg][3]
-        self.skipped, self.skipped_from = SkippedRows(), self.pos
-
-    def _open(self, path: str):
-        """The file, if it is still the one the run started with (not removed, replaced, shrunk or rewritten)."""
-        try:
-            file = open(path, "rb")
-        except FileNotFoundError:
-            raise UserError(f"data file {path} vanished under the running job: {_CHANGED}") from None
-        if _identity(os.fstat(file.fileno())) != self.identities[path]:
-            file.close()
-            raise UserError(f"data file {path} was replaced or changed under the running job: {_CHANGED}")
-        return file
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-
-    def state_dict(self) -> dict[str, Any]:
-        partial = self.doc_off < len(self.doc)  # the carry-over buffer is the rest of this document
-        seg, pos = (self.doc_seg, self.doc_pos) if partial else (self.seg, self.pos)
-        state = {"epoch": self.epoch, "segment": seg, "byte": pos, "token": self.doc_off if partial else self.skip,
-                 "malformed_lines": self.malformed, "total_bytes": self.total_bytes}
-        if self.segments is not self.own_segments:  # file names, not paths: the data folder may move
-            state["segments"] = [[os.path.basename(path), *rest] for path, *rest in self.segments]
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["total_bytes"] != self.total_bytes:
-            raise UserError(f"data source '{self.name}' changed since the loader state was saved "
-                            f"({state['total_bytes']} bytes then, {self.total_bytes} now)")
-        self.close()
-        folder = os.path.dirname(self.own_segments[0][0])
-        self.segments = [[os.path.join(folder, name), *rest] for name, *rest in state["segments"]] \
-            if "segments" in state else self.own_segments
-        self.epoch, self.seg, self.pos = state["epoch"], state["segment"], state["byte"]
-        self.doc, self.doc_off, self.skip = [], 0, 0
-        self.malformed, self.skipped, self.skipped_from = state["malformed_lines"], SkippedRows(), self.pos
-        if self.seg >= len(self.segments):  # handed nothing of the resumed epoch: start the next one
-            self.seg = len(self.segments) - 1
-            self._next_segment()
-        elif state["token"]:
-            self.doc, self.doc_off = self._next_doc(), state["token"]
-
-
-_CHANGED = ("the data must not change while a run reads it: restore it and run the same command to resume from the "
-            "newest checkpoint, or start a new run (another dump_dir) on the changed data")
-
-
-def _identity(stat: os.stat_result) -> tuple[int, int, int]:
-    """Size, inode and modification time: a file removed, replaced, truncated or rewritten in place differs."""
-    return stat.st_size, stat.st_ino, stat.st_mtime_ns
-
-
-def _line_start_at_or_after(path: str, offset: int) -> int:
-    """First line boundary >= offset: a line starts at 0 or right after a newline."""
-    if offset == 0:
-        return 0
-    with open(path, "rb") as f:
-        f.seek(offset - 1)
-        f.readline()  # the rest of the line that byte offset-1 belongs to
-        return f.tell()
-
-
 class TrainLoader:
     """Endless iterator of LongTensor [batch_size, seq_len]; state_dict() is the position after the last batch returned.
 
@@ -261,13 +76,13 @@ class TrainLoader:
     """
 
     def __init__(self, args: DataArgs, tokenizer, rank: int, world_size: int, state: dict[str, Any] | None = None):
-        _check_args(args)
+        check_args(args)
         self.args, self.rank, self.world_size = args, rank, world_size
         self.names = sorted(args.sources)
         weights = np.array([args.sources[n] for n in self.names], dtype=np.float64)
         self.weights = weights / weights.sum()
         self.rng = np.random.default_rng([args.seed, rank])
-        self.streams = [_SourceStream(n, _train_files(args, n), rank, world_size, tokenizer) for n in self.names]
+        self.streams = [SourceStream(n, _train_files(args, n), rank, world_size, tokenizer) for n in self.names]
         if state is not None:
             self._load_state_dict(state)
         self._state = self._snapshot()
@@ -412,7 +227,7 @@ def repartition(states: list[dict[str, Any]], world_size: int, args: DataArgs) -
     count of its tokens already used), is cut into `world_size` pieces of about equal bytes at line boundaries: no
     line is read twice or skipped. The epochs after it use the new ranks' own byte ranges.
     """
-    _check_args(args)
+    check_args(args)
     new = [{"rank": r, "world_size": world_size, "rng": np.random.default_rng([args.seed, r]).bit_generator.state,
             "sources": {}} for r in range(world_size)]
     for name in sorted(args.sources):
@@ -425,7 +240,7 @@ def repartition(states: list[dict[str, Any]], world_size: int, args: DataArgs) -
                 raise UserError(f"data source '{name}' changed since the loader state was saved "
                                 f"({source['total_bytes']} bytes then, {sum(sizes)} now)")
             segments = [[os.path.join(os.path.dirname(files[0]), name), *rest] for name, *rest in source["segments"]] \
-                if "segments" in source else _rank_segments(files, sizes, old["rank"], old["world_size"])
+                if "segments" in source else rank_segments(files, sizes, old["rank"], old["world_size"])
             if source["segment"] < len(segments):
                 path, _, end, _ = segments[source["segment"]]
                 rest += [[path, source["byte"], end, source["token"]], *segments[source["segment"] + 1:]]
@@ -449,7 +264,7 @@ def _split_segments(segments: list[list], n: int) -> list[list[list]]:
     for path, start, end, skip in segments:
         while start < end:
             room = targets[len(pieces)] - done if len(pieces) < n - 1 else end - start
-            cut = end if end - start <= room else _line_start_at_or_after(path, start + room) if room > 0 else start
+            cut = end if end - start <= room else line_start_at_or_after(path, start + room) if room > 0 else start
             cut = min(cut, end)
             if cut > start:
                 piece.append([path, start, cut, skip])
@@ -460,66 +275,3 @@ def _split_segments(segments: list[list], n: int) -> list[list[list]]:
     pieces.append(piece)
     return pieces + [[] for _ in range(n - len(pieces))]
 
-
-@dataclass(frozen=True)
-class ValidationRows:
-    """Fixed validation rows, the batch first, and how many come from each source ({source: rows}, in row order;
-    empty when the rows are of one kind), from which lingua.validation reports each source's loss."""
-
-    tokens: torch.Tensor
-    source_rows: dict[str, int] = field(default_factory=dict)
-
-
-def load_validation(args: DataArgs, tokenizer, n_sequences: int, rank: int = 0, world_size: int = 1) -> ValidationRows:
-    """Fixed validation rows [n_sequences, seq_len] from each source's valid.jsonl, packed like training rows.
-
-    Sources (sorted by name) get n_sequences * weight rows (largest remainder); a source's rows are packed from its
-    own file from the start, and rank r takes rows [r*k, (r+1)*k) of them, so ranks are disjoint. Too little text
-    raises UserError rather than returning fewer rows: a silently smaller set would make losses incomparable. The
-    rows come source after source, counted per source in `source_rows`. `validation_sources`, when given, stands for
-    the training's sources here.
-    """
-    _check_args(args)
-    rows, source_rows = [], {}
-    for name, k in _split_by_weight(n_sequences, args.validation_sources or args.sources).items():
-        if k == 0:
-            continue
-        source_rows[name] = k
-        path = os.path.join(args.root_dir, name, "valid.jsonl")
-        if not os.path.isfile(path):
-            raise UserError(f"validation file not found: '{path}'")
-        need = world_size * k * args.seq_len
-        tokens, skipped = _read_tokens(path, tokenizer, need)
-        if len(tokens) < need:
-            raise UserError(f"'{path}' has {len(tokens) // args.seq_len} rows of {args.seq_len} tokens, "
-                            f"{k} per rank x {world_size} ranks needed ({skipped.count} malformed lines skipped)")
-        if skipped.count:
-            logger.warning(skipped.warning(path, "malformed lines"))
-        mine = tokens[rank * k * args.seq_len : (rank + 1) * k * args.seq_len]
-        rows.append(torch.tensor(mine, dtype=torch.long).view(k, args.seq_len))
-    return ValidationRows(torch.cat(rows), source_rows)
-
-
-def _split_by_weight(n: int, weights: dict[str, float]) -> dict[str, int]:
-    names = sorted(weights)
-    exact = [n * weights[s] / sum(weights.values()) for s in names]
-    counts = [int(x) for x in exact]
-    # stable sort: ties go to the source first in name order
-    for i in sorted(range(len(names)), key=lambda i: counts[i] - exact[i])[: n - sum(counts)]:
-        counts[i] += 1
-    return dict(zip(names, counts))
-
-
-def _read_tokens(path: str, tokenizer, limit: int) -> tuple[list[int], SkippedRows]:
-    """The documents' tokens from the start of `path` until there are `limit`, and the malformed lines skipped."""
-    out: list[int] = []
-    skipped = SkippedRows()
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if len(out) >= limit:
-                break
-            doc = _document(tokenizer, line)
-            if doc is None:
-                skipped.add(f"line {number}")
-            out += doc or []
-    return out, skipped

@@ -14,11 +14,12 @@ import torch
 
 from lingua.app import App
 from lingua.args import UserError, at_least
-from lingua.data import ValidationRows
 from lingua.distributed import Launch, all_reduce, on_every_rank
 from lingua.divergence import NonFiniteGuard
-from lingua.eval.glue import GlueEvalArgs, SkippedLinesReport, check_args, probe_length, run_glue_probes
+from lingua.eval.glue import GlueEvalArgs, check_args, probe_length, run_glue_probes
+from lingua.eval.glue_data import SkippedLinesReport
 from lingua.parallel import autocast
+from lingua.validation_rows import ValidationRows
 
 
 @dataclass

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from lingua.args import UserError
-from lingua.data import DataArgs, ReadAhead, build_train_loader, load_validation
+from lingua.data import DataArgs, ReadAhead, build_train_loader
 from lingua.tokenizer import BytesTokenizer, TokenizerArgs, build_tokenizer
+from lingua.validation_rows import load_validation
 
 BOS, EOS = 256, 257  # <s> and </s> of the "bytes" tokenizer, whose other ids are the UTF-8 bytes
 

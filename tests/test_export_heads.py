@@ -19,7 +19,7 @@ from apps.finetune.train import APP as FINETUNE
 from lingua.args import UserError, load_config, to_dict
 from lingua.checkpoint import build_from_params, save_consolidated
 from lingua.eval.features import encode_example, mean_pool, pad_batch
-from lingua.eval.glue import TASKS
+from lingua.eval.glue_data import TASKS
 from lingua.export import ExportArgs, export
 from lingua.transformer import default_positions
 

@@ -16,7 +16,7 @@ from apps.finetune import train as finetune
 from apps.finetune.data import GlueDataArgs, GlueLoader, decode_labels, label_codes
 from lingua.args import UserError, load_config, to_dict
 from lingua.checkpoint import Checkpoint, load_model
-from lingua.eval.glue import TASKS
+from lingua.eval.glue_data import TASKS
 from lingua.resume import open_start
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.train import main, train

@@ -22,7 +22,7 @@ from lingua.checkpoint import (
     save_consolidated,
 )
 from lingua.data import DataArgs
-from lingua.eval import features, glue
+from lingua.eval import features, glue, glue_data
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.transformer import TransformerArgs
 from tools.eval import glue as glue_command
@@ -62,10 +62,10 @@ def _args(**overrides) -> glue.GlueEvalArgs:
     return replace(glue.GlueEvalArgs(data=str(FIXTURES), max_len=64, batch_size=4), **overrides)
 
 
-@pytest.mark.parametrize("name", list(glue.TASKS))
+@pytest.mark.parametrize("name", list(glue_data.TASKS))
 def test_every_task_format_parses(name):
-    task = glue.TASKS[name]
-    train, dev = glue.load_split(task, "train", str(FIXTURES)), glue.load_split(task, "dev", str(FIXTURES))
+    task = glue_data.TASKS[name]
+    train, dev = glue_data.load_split(task, "train", str(FIXTURES)), glue_data.load_split(task, "dev", str(FIXTURES))
     assert (len(train.texts), len(dev.texts)) == (16, 8)
     for split in (train, dev):
         assert all(len(t) == len(task.text_columns) and all(t) for t in split.texts)
@@ -77,35 +77,35 @@ def test_every_task_format_parses(name):
 
 
 def test_format_details():
-    sst = glue.load_split(glue.TASKS["sst2"], "train", str(FIXTURES))
+    sst = glue_data.load_split(glue_data.TASKS["sst2"], "train", str(FIXTURES))
     assert sst.texts[0][0].startswith('" a dull film')  # the lone quote is text, not CSV quoting
-    cola = glue.load_split(glue.TASKS["cola"], "dev", str(FIXTURES))
+    cola = glue_data.load_split(glue_data.TASKS["cola"], "dev", str(FIXTURES))
     assert cola.texts[0] == ("today reads the cat",) and cola.labels[:2].tolist() == [0, 1]  # no header line
-    mrpc = glue.load_split(glue.TASKS["mrpc"], "dev", str(FIXTURES))  # header behind a byte-order mark
+    mrpc = glue_data.load_split(glue_data.TASKS["mrpc"], "dev", str(FIXTURES))  # header behind a byte-order mark
     assert mrpc.texts[0] == ("a dog sings today .", "a dog sings today .") and mrpc.labels[0] == 1
-    mnli = glue.load_split(glue.TASKS["mnli"], "dev", str(FIXTURES))  # dev_matched, five annotator labels
+    mnli = glue_data.load_split(glue_data.TASKS["mnli"], "dev", str(FIXTURES))  # dev_matched, five annotator labels
     assert mnli.texts[1] == ("the child sings today", "a bird sings today") and mnli.labels[:3].tolist() == [0, 1, 2]
-    stsb = glue.load_split(glue.TASKS["stsb"], "dev", str(FIXTURES))
+    stsb = glue_data.load_split(glue_data.TASKS["stsb"], "dev", str(FIXTURES))
     assert stsb.labels[:2].tolist() == [5.0, 3.0]
-    rte = glue.load_split(glue.TASKS["rte"], "dev", str(FIXTURES))
+    rte = glue_data.load_split(glue_data.TASKS["rte"], "dev", str(FIXTURES))
     assert rte.labels[:2].tolist() == [0, 1]  # entailment, not_entailment
 
 
 def test_wrong_file_and_missing_split(tmp_path):
     shutil.copytree(FIXTURES / "SST-2", tmp_path / "RTE")  # SST-2's columns where RTE's are expected
     with pytest.raises(UserError, match="no column 'sentence1'"):
-        glue.load_split(glue.TASKS["rte"], "train", str(tmp_path))
-    with pytest.raises(glue.MissingSplit, match="no train split"):
-        glue.load_split(glue.TASKS["qnli"], "train", str(tmp_path))
+        glue_data.load_split(glue_data.TASKS["rte"], "train", str(tmp_path))
+    with pytest.raises(glue_data.MissingSplit, match="no train split"):
+        glue_data.load_split(glue_data.TASKS["qnli"], "train", str(tmp_path))
     (tmp_path / "SST-2").mkdir()
     (tmp_path / "SST-2" / "train.tsv").write_bytes(b"sentence\tlabel\n\xff\xfe\x00\t1\nno label\n")
     with pytest.raises(UserError) as error:  # nothing usable is left: the file is refused in one line
-        glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path))
+        glue_data.load_split(glue_data.TASKS["sst2"], "train", str(tmp_path))
     assert str(error.value) == (f"{tmp_path / 'SST-2' / 'train.tsv'} has no usable SST2 example "
                                 "(2 malformed lines, the first at line 2)")
     (tmp_path / "SST-2" / "train.tsv").write_bytes(b"sentence\xff\tlabel\ngood\t1\n")
     with pytest.raises(UserError, match="is not a GLUE TSV file"):
-        glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path))
+        glue_data.load_split(glue_data.TASKS["sst2"], "train", str(tmp_path))
 
 
 def _sst2_train(folder: Path, extra_lines: list[bytes]) -> Path:
@@ -120,9 +120,10 @@ def test_bad_rows_of_a_tsv_are_skipped_counted_and_reported_once(tmp_path, caplo
     long_sentence = "a long review " + "x" * 200_000  # past csv's 128 KB field size limit
     path = _sst2_train(tmp_path, [b"caf\xe9 au lait\t1\n", f"{long_sentence}\t0\n".encode()])
     with caplog.at_level(logging.WARNING):
-        report = glue.SkippedLinesReport()  # a training run's probes keep one
-        split = glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path), report=report)
-        again = glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path), report=report)  # the next evaluation
+        report = glue_data.SkippedLinesReport()  # a training run's probes keep one
+        split = glue_data.load_split(glue_data.TASKS["sst2"], "train", str(tmp_path), report=report)
+        # the next evaluation
+        again = glue_data.load_split(glue_data.TASKS["sst2"], "train", str(tmp_path), report=report)
     assert (split.skipped, split.first_skipped, len(split.texts)) == (1, "line 4", 17)
     assert split.texts[2] == (long_sentence,) and split.labels[2] == 0 and again.texts == split.texts
     assert [r.getMessage() for r in caplog.records] == [f"SST2 train: {path}: skipped 1 malformed lines "
@@ -131,7 +132,7 @@ def test_bad_rows_of_a_tsv_are_skipped_counted_and_reported_once(tmp_path, caplo
 
 def test_a_lone_carriage_return_stays_inside_its_sentence(tmp_path):
     _sst2_train(tmp_path, [b"a sentence\rthat goes on\t1\n", b"a windows line\t0\r\n"])
-    split = glue.load_split(glue.TASKS["sst2"], "train", str(tmp_path))
+    split = glue_data.load_split(glue_data.TASKS["sst2"], "train", str(tmp_path))
     assert split.skipped == 0 and len(split.texts) == 18
     assert split.texts[2:4] == [("a sentence\rthat goes on",), ("a windows line",)]
     assert split.labels[2:4].tolist() == [1, 0]
@@ -143,11 +144,11 @@ def test_non_finite_scores_are_malformed_rows(tmp_path):
     for i, bad in ((1, "nan"), (2, "inf"), (3, "-Infinity")):
         lines[i] = lines[i].rsplit("\t", 1)[0] + "\t" + bad
     (tmp_path / "STS-B" / "train.tsv").write_text("\n".join(lines) + "\n")
-    split = glue.load_split(glue.TASKS["stsb"], "train", str(tmp_path))
+    split = glue_data.load_split(glue_data.TASKS["stsb"], "train", str(tmp_path))
     assert split.skipped == 3 and len(split.texts) == 13 and torch.isfinite(split.labels).all()
     rows = [{"sentence1": "a", "sentence2": "b", "label": float("nan")},
             {"sentence1": "c", "sentence2": "d", "label": 1.0}]
-    hf = glue.split_from_hf_rows(glue.TASKS["stsb"], rows)
+    hf = glue_data.split_from_hf_rows(glue_data.TASKS["stsb"], rows)
     assert hf.skipped == 1 and hf.labels.tolist() == [1.0]
 
 
@@ -166,9 +167,9 @@ def _fake_datasets(calls):
 def test_hf_rows_are_converted(monkeypatch):
     calls = []
     monkeypatch.setitem(sys.modules, "datasets", _fake_datasets(calls))
-    mnli = glue.load_split(glue.TASKS["mnli"], "dev", "hf")
+    mnli = glue_data.load_split(glue_data.TASKS["mnli"], "dev", "hf")
     assert mnli.texts == [("p1", "h1")] and mnli.labels.tolist() == [2] and mnli.skipped == 1  # -1: unlabelled
-    stsb = glue.load_split(glue.TASKS["stsb"], "train", "hf")
+    stsb = glue_data.load_split(glue_data.TASKS["stsb"], "train", "hf")
     assert stsb.texts == [("a", "b")] and stsb.labels.tolist() == [3.5]
     assert calls == [("nyu-mll/glue", "mnli", "validation_matched"), ("nyu-mll/glue", "stsb", "train")]
 
@@ -176,7 +177,7 @@ def test_hf_rows_are_converted(monkeypatch):
 def test_hf_without_datasets_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(UserError, match="pip install datasets"):
-        glue.load_split(glue.TASKS["sst2"], "dev", "hf")
+        glue_data.load_split(glue_data.TASKS["sst2"], "dev", "hf")
 
 
 def test_examples_are_encoded_roberta_style_and_truncated(tokenizer):
@@ -317,7 +318,7 @@ def test_command_end_to_end(tmp_path, capsys):
     assert "QNLI (no train split" in out
     results = json.loads((tmp_path / "run" / "glue_eval" / "consolidated" / "results.json").read_text())
     assert results["checkpoint"] == str(checkpoint) and results["args"]["max_len"] == 64
-    assert set(results["tasks"]) == set(glue.TASKS) - {"qnli"} and "qnli" in results["skipped"]
+    assert set(results["tasks"]) == set(glue_data.TASKS) - {"qnli"} and "qnli" in results["skipped"]
     assert results["tasks"]["qqp"]["skipped_lines"] == {"train": 2, "dev": 0}
     scores = results["summary"]["last"]["linear"]
     assert scores["avg"] == pytest.approx(sum(v for k, v in scores.items() if k != "avg") / 7)
@@ -377,12 +378,12 @@ REAL_ROWS = {"cola": (8551, 1043), "sst2": (20000, 872), "mrpc": (3668, 408), "s
 @pytest.mark.skipif(not REAL_GLUE.is_dir(), reason="real GLUE files not present")
 def test_real_glue_files_parse_completely():
     for name, (n_train, n_dev) in REAL_ROWS.items():
-        train = glue.load_split(glue.TASKS[name], "train", str(REAL_GLUE))
-        dev = glue.load_split(glue.TASKS[name], "dev", str(REAL_GLUE))
+        train = glue_data.load_split(glue_data.TASKS[name], "train", str(REAL_GLUE))
+        dev = glue_data.load_split(glue_data.TASKS[name], "dev", str(REAL_GLUE))
         assert (len(train.texts), len(dev.texts), train.skipped, dev.skipped) == (n_train, n_dev, 0, 0), name
-    assert len(glue.load_split(glue.TASKS["qnli"], "dev", str(REAL_GLUE)).texts) == 5463
-    with pytest.raises(glue.MissingSplit):
-        glue.load_split(glue.TASKS["qnli"], "train", str(REAL_GLUE))
+    assert len(glue_data.load_split(glue_data.TASKS["qnli"], "dev", str(REAL_GLUE)).texts) == 5463
+    with pytest.raises(glue_data.MissingSplit):
+        glue_data.load_split(glue_data.TASKS["qnli"], "train", str(REAL_GLUE))
 
 
 @pytest.mark.skipif(not REAL_GLUE.is_dir(), reason="real GLUE files not present")

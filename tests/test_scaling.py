@@ -264,8 +264,9 @@ def test_figure_5_draws_each_sources_validation_loss_with_the_law_of_the_final_l
 
 def test_validation_rows_come_from_the_validation_sources_when_given(tmp_path):
     """Figure 5's runs train on DCLM and validate on DCLM and Wikipedia: a source validated on, not trained on."""
-    from lingua.data import DataArgs, load_validation
+    from lingua.data import DataArgs
     from lingua.tokenizer import BytesTokenizer
+    from lingua.validation_rows import load_validation
 
     for source in ("dclm", "wikipedia"):
         (tmp_path / source).mkdir()

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lingua.eval.glue import TASKS
+from lingua.eval.glue_data import TASKS
 from tools import paper, tables
 
 REPO = Path(__file__).resolve().parents[1]

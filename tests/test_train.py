@@ -16,11 +16,11 @@ from conftest import kill_after_first_checkpoint_then_restart, read_metrics, tin
 from apps.bert.train import APP
 from lingua.args import load_config
 from lingua.checkpoint import load_model
-from lingua.data import ValidationRows
 from lingua.distributed import Launch
 from lingua.parallel import parallelize
 from lingua.train import train
 from lingua.validation import ValidationArgs, validate
+from lingua.validation_rows import ValidationRows
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """The paper's published numbers (tools/paper.yaml, where their order is described), which the tables print beside
-ours: GLUE rows in lingua.eval.glue.TASKS order then the average, MTEB rows in lingua.eval.mteb.CATEGORIES order then
-Avg. and Overall."""
+ours: GLUE rows in lingua.eval.glue_data.TASKS order then the average, MTEB rows in lingua.eval.mteb.CATEGORIES order
+then Avg. and Overall."""
 
 from pathlib import Path
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lingua.args import UserError, command_line, load_config
-from lingua.eval.glue import TASKS
+from lingua.eval.glue_data import TASKS
 from lingua.eval.mteb import CATEGORIES
 from lingua.files import atomic_write
 from tools import paper

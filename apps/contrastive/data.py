@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from lingua.args import UserError, at_least
-from lingua.data import SkippedRows
+from lingua.documents import SkippedRows
 from lingua.tokenizer import TokenizerArgs
 
 logger = logging.getLogger(__name__)

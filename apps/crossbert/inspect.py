@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from lingua.args import UserError, at_least, command_line, load_config
 from lingua.checkpoint import load_model
-from lingua.data import load_validation
 from lingua.masking import num_masked
+from lingua.validation_rows import load_validation
 
 OFFSETS = (-3, -2, -1, 1, 2, 3)
 FAR = 8

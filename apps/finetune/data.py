@@ -19,7 +19,7 @@ import torch
 
 from lingua.args import UserError, at_least, require
 from lingua.eval.features import encode_example
-from lingua.eval.glue import TASKS, GlueTask, MissingSplit, load_split
+from lingua.eval.glue_data import TASKS, GlueTask, MissingSplit, load_split
 from lingua.tokenizer import TokenizerArgs
 
 logger = logging.getLogger(__name__)

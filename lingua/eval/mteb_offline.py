@@ -28,7 +28,7 @@ from mteb.abstasks.pair_classification import AbsTaskPairClassification
 from mteb.abstasks.retrieval_dataset_loaders import RetrievalSplitData
 
 from lingua.args import UserError
-from lingua.eval.glue import TASKS, MissingSplit, load_split
+from lingua.eval.glue_data import TASKS, MissingSplit, load_split
 from lingua.eval.retrieval import load_beir
 from lingua.eval.sts import find_sts_sets
 from lingua.eval.triplets import bm25_search

@@ -1,6 +1,6 @@
 """Tables of GLUE probe results in the paper's layout (columns in its order, then the average)."""
 
-from lingua.eval.glue import TASKS
+from lingua.eval.glue_data import TASKS
 
 
 def format_table(results: dict) -> str:

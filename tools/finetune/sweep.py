@@ -20,7 +20,7 @@ import yaml
 from apps.finetune.train import FINETUNE
 from lingua import stool
 from lingua.args import UserError, command_line, load_config, parse_assignment
-from lingua.eval.glue import TASKS
+from lingua.eval.glue_data import TASKS
 from lingua.files import atomic_write
 from lingua.launcher import split_arguments
 from lingua.run_folder import RunFolder

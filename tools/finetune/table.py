@@ -22,7 +22,7 @@ import yaml
 from lingua.app import load_app, short_name
 from lingua.args import UserError, command_line
 from lingua.checkpoint import Checkpoint
-from lingua.eval.glue import TASKS
+from lingua.eval.glue_data import TASKS
 from lingua.files import atomic_write
 from lingua.run_folder import CONFIG, RunFolder
 from tools.paper import GLUE_FINETUNE, NAMES
