@@ -17,8 +17,8 @@ from it, and the rules over them. No other module spells these names (tests/test
                          the evaluations of its checkpoints (tools/eval), one folder per checkpoint, each with a
                          results.json; glue_eval/cache/ holds the probes' cached features
 
-A sweep's folder (sweep.json) and a pipeline's (pipeline.json, stages/) are lingua/stool.py's and
-lingua/pipeline.py's; they hold code/ and submitit/ too, and a pipeline's stage folder a job.json, named here.
+A sweep's folder (sweep.json) is lingua/stool.py's, a pipeline's (pipeline.json, stages/) lingua/pipeline.py's and
+lingua/pipeline_stage.py's; they hold code/ and submitit/ too, and a pipeline's stage folder a job.json, named here.
 """
 
 from dataclasses import dataclass

@@ -230,9 +230,9 @@ def test_table3_debug_pipeline_end_to_end_on_offline_data(tmp_path, corpus):
                   "offline stand-ins, contrastive fine-tuning, whole model",
                   "offline stand-ins, contrastive fine-tuning, over frozen features"):
         assert f"**{title}" in table, title
-    rows = [line for line in table.splitlines() if line.startswith("| bert ") or line.startswith("| crossbert ")]
+    rows = [line for line in table.splitlines() if line.startswith("| BERT ") or line.startswith("| CrossBERT ")]
     assert len(rows) == 2 * 5 and all("–" not in row for row in rows), table  # every cell of ours filled
-    assert "| *crossbert, paper* | 279M | 4.1e19 | 207k | 85.1 |" in table  # RTE beside ours, fine-tuning
+    assert "| *CrossBERT, paper* | 279M | 4.1e19 | 207k | 85.1 |" in table  # RTE beside ours, fine-tuning
 
     # a stage that did not record its end (killed) runs again: its sweep submits its finished run again, which goes on
     (tmp_path / "table3" / "stages" / "finetune.bert" / "done.json").unlink()
