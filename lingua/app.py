@@ -145,7 +145,8 @@ class App:
     validate: Callable | None = None  # (model, validation rows, ValidationArgs, data args, device, Launch) ->
     # {"val/...": value}, equal on every rank: the app's own validation, in place of the loss on the validation rows
     evaluations: Callable | None = None  # (lingua.validation.EvalContext) -> more evaluations the loop runs during
-    # training, after the validation and the GLUE probes (lingua.validation.Evaluation: name, due(step), run(step))
+    # training, after the validation and the GLUE probes (lingua.validation.Evaluation: name, keep_best ("": none),
+    # due(step), run(step))
     parallelize: Callable | None = None  # (model, DistributedArgs, Launch, device): the app's own parallelism
     # plan; default: activation checkpointing, compile and FSDP2 per sharding unit (lingua/parallel.py)
     scaling: ScalingLaws | None = None  # its batch-size and learning-rate laws, for `tools.scaling plan`

@@ -54,7 +54,7 @@ MARKER = "lingua_export.json"  # in every export: what a later export into the s
 
 @dataclass
 class ExportArgs:
-    ckpt: str = ""  # consolidated.pt, a checkpoint folder, or a run's dump_dir (its newest checkpoint, else export)
+    ckpt: str = ""  # a run's dump_dir (its newest checkpoint, else consolidated.pt), a checkpoint folder or a .pt file
     out: str = ""  # the folder to write
     pooling: str = "auto"  # auto: the model's trained pooler if it has one, else mean | mean: always the mean
     max_len: int = 0  # tokens per text, <s> and </s> included; 0: the run's training length

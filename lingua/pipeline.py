@@ -57,7 +57,7 @@ from lingua.launcher import (
 )
 from lingua.pipeline_plan import NAME, Pipeline, Stage, load_pipeline
 from lingua.pipeline_stage import read_json, run_stage, stage_dir, stage_job, state_of
-from lingua.run_folder import CODE, JOB_RECORD, SUBMITIT
+from lingua.run_folder import CODE, JOB_RECORD, PIPELINE_RECORD, STAGE_DONE, STAGE_FAILED, STAGE_STARTED, SUBMITIT
 
 STAGE_NAME = re.compile(rf"{NAME.pattern}(\.{NAME.pattern})?")  # STAGE or STAGE.VARIANT: DIR/stages/STAGE.VARIANT
 
@@ -75,7 +75,7 @@ def launch(pipeline: Pipeline, launcher_argv: list[str]) -> None:
         return
     _refuse_changed_stages(pipeline)
     pipeline.dump_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(pipeline.dump_dir / "pipeline.json", json.dumps(pipeline.record(), indent=1))
+    atomic_write(pipeline.dump_dir / PIPELINE_RECORD, json.dumps(pipeline.record(), indent=1))
     code = snapshot_code(pipeline.dump_dir / CODE)
     if args.cluster == "local":
         run_local(pipeline, code)
@@ -95,7 +95,7 @@ def _refuse_changed_stages(pipeline: Pipeline) -> None:
 
 
 def _recorded_line(folder: Path) -> str:
-    for name in ("done.json", JOB_RECORD, "started.json"):
+    for name in (STAGE_DONE, JOB_RECORD, STAGE_STARTED):
         record = read_json(folder / name)
         if record is not None and "line" in record:
             return record["line"]
@@ -133,11 +133,11 @@ def _where(dump_dir: Path, stage: Stage) -> str:
     job, _ = read_job_record(folder)
     if job is not None:
         return f"SLURM job {job['job_id']}"
-    started = read_json(folder / "started.json") or {}
+    started = read_json(folder / STAGE_STARTED) or {}
     group, host = started.get("group"), started.get("host", socket.gethostname())
     if host != socket.gethostname():
         return (f"on host {host}, process group {group}; if that host is gone, remove "
-                f"{folder / 'started.json'}")
+                f"{folder / STAGE_STARTED}")
     return f"process group {group}: kill -- -{group}"
 
 
@@ -161,7 +161,7 @@ def submit_slurm(pipeline: Pipeline, launcher_argv: list[str], code: Path) -> No
                                 **{"kill-on-invalid-dep": "yes", **dependency})
         executor.update_parameters(slurm_job_name=stage.name)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "failed.json").unlink(missing_ok=True)  # submitted again: queued, no longer failed
+        (folder / STAGE_FAILED).unlink(missing_ok=True)  # submitted again: queued, no longer failed
         with refused_by_slurm(f"the job of stage {stage.name}; the stages before it are submitted, and once "
                               "this is fixed the same command submits the others"):
             job = executor.submit(stage_job, str(folder), stage, str(code))
@@ -182,10 +182,10 @@ def stage_launcher(launcher_argv: list[str], stage: Stage) -> LauncherArgs:
 def _describe(dump_dir: Path, stage: Stage, state: str) -> str:
     folder = stage_dir(dump_dir, stage.name)
     if state == "done":
-        seconds = (read_json(folder / "done.json") or {}).get("seconds")
+        seconds = (read_json(folder / STAGE_DONE) or {}).get("seconds")
         return f"done ({seconds / 60:.1f} min)" if isinstance(seconds, (int, float)) else "done"
     if state == "failed":
-        failure = read_json(folder / "failed.json") or {}
+        failure = read_json(folder / STAGE_FAILED) or {}
         return (f"failed (exit {failure.get('code', '?')}: {failure.get('reason', 'unreadable failed.json')}); "
                 f"log {folder / 'log.txt'}")
     if state == "blocked":
@@ -210,7 +210,7 @@ def format_plan(pipeline: Pipeline, launcher_argv: list[str]) -> str:
 def recorded_stages(dump_dir: Path) -> list[Stage]:
     """The stages of DIR/pipeline.json; a record that is not one (a name that is not a stage's, a field missing or of
     another type) is refused in one line."""
-    path = dump_dir / "pipeline.json"
+    path = dump_dir / PIPELINE_RECORD
     try:
         stages = [Stage(**stage) for stage in (read_json(path) or {})["stages"]]
     except (KeyError, TypeError):

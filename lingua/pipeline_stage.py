@@ -18,7 +18,7 @@ from lingua.files import atomic_write
 from lingua.launcher import read_job_record
 from lingua.lifecycle import boot_id, process_start
 from lingua.pipeline_plan import Stage
-from lingua.run_folder import SUBMITIT
+from lingua.run_folder import STAGE_DONE, STAGE_FAILED, STAGE_STARTED, STAGES, SUBMITIT
 
 FORWARDED_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # a scheduler's stop signals
 PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1)  # the time limit's warning, a preemption: the job goes back
@@ -32,9 +32,8 @@ class StageNotDone(Exception):
     """Ends a stage's SLURM job with a non-zero exit, so that SLURM does not start the stages that need it."""
 
 
-
 def stage_dir(dump_dir: Path, name: str) -> Path:
-    return dump_dir / "stages" / name
+    return dump_dir / STAGES / name
 
 
 def run_stage(folder: str, stage: Stage, code: str) -> str:
@@ -46,7 +45,7 @@ def run_stage(folder: str, stage: Stage, code: str) -> str:
     folder_path.mkdir(parents=True, exist_ok=True)
     log = folder_path / ("log.txt" if rank == 0 else f"log.task{rank}.txt")
     if rank == 0:
-        (folder_path / "failed.json").unlink(missing_ok=True)
+        (folder_path / STAGE_FAILED).unlink(missing_ok=True)
     received: list[int] = []
     start = time.time()
     with open(log, "ab") as out:
@@ -55,7 +54,7 @@ def run_stage(folder: str, stage: Stage, code: str) -> str:
         process = subprocess.Popen(stage.command(), cwd=code, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         if rank == 0:  # the command's process group outlives a runner killed with SIGKILL: it is recorded too
-            atomic_write(folder_path / "started.json", json.dumps({**this_process(process.pid), "line": stage.line}))
+            atomic_write(folder_path / STAGE_STARTED, json.dumps({**this_process(process.pid), "line": stage.line}))
 
         def forward(signum, frame):
             received.append(signum)
@@ -69,14 +68,14 @@ def run_stage(folder: str, stage: Stage, code: str) -> str:
                 signal.signal(signum, handler)
             _stop(process)
             if rank == 0:
-                (folder_path / "started.json").unlink(missing_ok=True)
+                (folder_path / STAGE_STARTED).unlink(missing_ok=True)
     if received:  # neither done nor failed: the next run of the pipeline runs it again
         return "preempted" if set(received) & set(PREEMPTION_SIGNALS) else "stopped"
     outcome = "done" if exit_code == 0 else "failed"
     if rank == 0 and outcome == "done":
-        atomic_write(folder_path / "done.json", json.dumps({"seconds": time.time() - start, "line": stage.line}))
+        atomic_write(folder_path / STAGE_DONE, json.dumps({"seconds": time.time() - start, "line": stage.line}))
     elif rank == 0:
-        atomic_write(folder_path / "failed.json", json.dumps({"code": exit_code, "reason": last_line(log),
+        atomic_write(folder_path / STAGE_FAILED, json.dumps({"code": exit_code, "reason": last_line(log),
                                                               "line": stage.line}))
     return outcome
 
@@ -140,17 +139,17 @@ def state_of(dump_dir: Path, stage: Stage, states: dict[str, str]) -> str:
     running | submitted (queued on SLURM) | pending, from the stage's record; `states` holds those of the stages
     before it."""
     folder = stage_dir(dump_dir, stage.name)
-    done = read_json(folder / "done.json")
+    done = read_json(folder / STAGE_DONE)
     if done is not None:
         return "done" if done.get("line", stage.line) == stage.line else "changed"
-    if (folder / "failed.json").exists():
+    if (folder / STAGE_FAILED).exists():
         return "failed"
     if any(states.get(need) in ("failed", "blocked") for need in stage.after):
         return "blocked"
     job, _ = read_job_record(folder)
-    started = read_json(folder / "started.json")
+    started = read_json(folder / STAGE_STARTED)
     if job is not None:
-        if not _slurm_job_active(dump_dir, job["job_id"]):
+        if not slurm_job_active(dump_dir, job["job_id"]):
             return "pending"  # its job ended without an outcome (killed, timed out): it runs again
         state = "running" if started is not None else "submitted"
     elif _alive(started):
@@ -196,7 +195,7 @@ def _exists(kill, target: int) -> bool:
     return True
 
 
-def _slurm_job_active(dump_dir: Path, job_id: str) -> bool:
+def slurm_job_active(dump_dir: Path, job_id: str) -> bool:
     """Whether SLURM still holds the job (of the pipeline's submitit folder, not one a record names)."""
     import submitit
 

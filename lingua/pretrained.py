@@ -11,26 +11,28 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from lingua.args import UserError, from_dict, to_dict
 from lingua.checkpoint import Checkpoint, build_from_params
 from lingua.pooler import PoolerArgs, pooler_transformer
+from lingua.resume import Start
 from lingua.transformer import TransformerArgs, head_dim_of
 
 RUNTIME_KEYS = ("attn_backend", "head_chunk")  # the encoder's settings that are this run's choice, not the model's
 
 
-def adopt_pretrained(args, checkpoint: Checkpoint | None, attention_pooler: bool):
-    """With init_from (`checkpoint`, opened: lingua/resume.py Start), the config with the pre-trained run's encoder
-    shape and tokenizer. The attention pooler keeps the config's shape (`model.pooler`, the same for every app
-    compared); when it warm-starts (`attention_pooler` and a source that offers one), what starts it must have that
-    shape."""
-    if checkpoint is None:
-        return args
-    source = checkpoint.config
+def adopt_pretrained(config, start: Start, attention_pooler: bool):
+    """The config with the encoder shape and tokenizer of the pre-trained run (a new run's init_from, opened by
+    lingua/resume.py's Start), or those the resumed run started with. The attention pooler keeps the config's shape
+    (`model.pooler`, the same for every app compared); when it warm-starts (`attention_pooler` and a source that
+    offers one), what starts it must have that shape."""
+    source = start.resumed or (start.init_from.config if start.init_from is not None else None)
+    if source is None or not config.init_from:
+        return config
     encoder = {k: v for k, v in source["model"]["encoder"].items() if k not in RUNTIME_KEYS}
-    model = replace(args.model, encoder=replace(args.model.encoder, **encoder))
-    pretrained = build_from_params(checkpoint.params, "meta")[0]  # shapes only: no weight is read
-    if attention_pooler and _warm_starts(model.pooler, pretrained):
-        check_warm_start_shape(pooler_transformer(model.pooler, model.encoder), pretrained.pooler_warm_start()[0])
-    tokenizer = from_dict(type(args.data.tokenizer), source["data"]["tokenizer"])
-    return replace(args, model=model, data=replace(args.data, tokenizer=tokenizer))
+    model = replace(config.model, encoder=replace(config.model.encoder, **encoder))
+    if start.init_from is not None and attention_pooler:
+        pretrained = build_from_params(start.init_from.params, "meta")[0]  # shapes only: no weight is read
+        if _warm_starts(model.pooler, pretrained):
+            check_warm_start_shape(pooler_transformer(model.pooler, model.encoder), pretrained.pooler_warm_start()[0])
+    tokenizer = from_dict(type(config.data.tokenizer), source["data"]["tokenizer"])
+    return replace(config, model=model, data=replace(config.data, tokenizer=tokenizer))
 
 
 def check_warm_start_shape(pooler: TransformerArgs, source: TransformerArgs) -> None:

@@ -21,23 +21,23 @@ logger = logging.getLogger(__name__)
 class Start:
     """What a run starts from, read once by the loop before the app's `configure` decides the config from it."""
 
-    init_from: Checkpoint | None = None  # init_from opened: its config and shapes (its weights load into the model
-    # later, through this same object)
+    init_from: Checkpoint | None = None  # a new run's init_from, opened: its config and shapes (its weights load into
+    # the model later, through this same object)
     resumed: dict | None = None  # the config of the run in dump_dir, when it resumes (its newest checkpoint's)
     world_size: int = 1  # processes of this launch
     data: dict = field(default_factory=dict)  # what the data pipeline's `check` reports, e.g. {"train_rows": N}
 
 
 def open_start(app: App, config, world_size: int) -> Start:
-    """init_from opened, the resumed run's config and the data's facts; a UserError for a bad init_from or bad
-    data, before anything is written."""
-    init_from = None
-    if config.init_from:
+    """The resumed run's config, else init_from opened (a resumed run has its own weights: its init_from may be
+    gone), and the data's facts; a UserError for a bad init_from or bad data, before anything is written."""
+    resumed, init_from = resumed_config(Path(config.dump_dir)), None
+    if config.init_from and resumed is None:
         try:
             init_from = Checkpoint.open(config.init_from)
         except UserError as e:
             raise UserError(f"init_from: {e}") from None
-    return Start(init_from, resumed_config(Path(config.dump_dir)), world_size, app.data.check(config.data))
+    return Start(init_from, resumed, world_size, app.data.check(config.data))
 
 
 def resumed_config(dump_dir: Path) -> dict | None:
@@ -103,7 +103,7 @@ def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, config) ->
                          "delete them to start this run from scratch, or use another dump_dir")
     run = RunFolder(Path(config.dump_dir))
     if run.finished:  # its history would be overwritten
-        return UserError(f"{run.root} holds the export of a finished run but no checkpoint to "
+        return UserError(f"{run.root} holds the consolidated.pt of a finished run but no checkpoint to "
                          "resume from: use another dump_dir (init_from= starts from its weights)")
     return None
 

@@ -17,8 +17,9 @@ from it, and the rules over them. No other module spells these names (tests/test
                          the evaluations of its checkpoints (tools/eval), one folder per checkpoint, each with a
                          results.json; glue_eval/cache/ holds the probes' cached features
 
-A sweep's folder (sweep.json) is lingua/stool.py's, a pipeline's (pipeline.json, stages/) lingua/pipeline.py's and
-lingua/pipeline_stage.py's; they hold code/ and submitit/ too, and a pipeline's stage folder a job.json, named here.
+A sweep's folder (sweep.json, kept by lingua/stool.py) and a pipeline's (pipeline.json, stages/STAGE/ with done.json,
+started.json, failed.json and job.json, kept by lingua/pipeline.py and lingua/pipeline_stage.py) hold code/ and
+submitit/ too; their names are here as well.
 """
 
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ CODE = "code"
 RESULTS = "results.json"  # what an evaluation writes into its folder
 EVALUATIONS = ("glue", "embedding", "mteb")  # the tools/eval commands that file their results with the run
 FEATURE_CACHE = "cache"
+SWEEP_RECORD = "sweep.json"  # a sweep's folder: what was swept
+PIPELINE_RECORD = "pipeline.json"  # a pipeline's folder: its stages as launched
+STAGES = "stages"  # a pipeline's folder: one folder per stage, holding the stage's records
+STAGE_DONE, STAGE_STARTED, STAGE_FAILED = "done.json", "started.json", "failed.json"
 
 
 @dataclass(frozen=True)

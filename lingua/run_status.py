@@ -14,7 +14,7 @@ import yaml
 from lingua.args import UserError
 from lingua.launcher import read_job_record
 from lingua.metrics import read_metrics
-from lingua.run_folder import SUBMITIT, RunFolder
+from lingua.run_folder import SUBMITIT, SWEEP_RECORD, RunFolder
 
 
 def describe(dump_dir: Path) -> dict[str, Any]:
@@ -65,7 +65,7 @@ def _newer_log(dump_dir: Path) -> bool:
 def submitit_folder(dump_dir: Path) -> Path:
     """The submitit folder stool chose for the run's job: its sweep's for a run of a sweep, its own otherwise. It is
     derived from where the run is, never read from a file of the run."""
-    return dump_dir.parent / SUBMITIT if (dump_dir.parent / "sweep.json").exists() else dump_dir / SUBMITIT
+    return dump_dir.parent / SUBMITIT if (dump_dir.parent / SWEEP_RECORD).exists() else dump_dir / SUBMITIT
 
 
 def _result_files(dump_dir: Path, job_id: str) -> list[Path]:
@@ -114,7 +114,7 @@ def job_outcome(dump_dir: Path) -> tuple[str | None, str]:
 
 def status_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """(name, describe()) of each run of a sweep folder (sweep.json), or of one dump_dir."""
-    if (path / "sweep.json").exists():
+    if (path / SWEEP_RECORD).exists():
         return [(name, describe(path / name)) for name in sweep_runs(path)]
     if not path.exists():
         raise UserError(f"{path} does not exist")
@@ -123,7 +123,7 @@ def status_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
 
 def sweep_runs(folder: Path) -> list[str]:
     """The run names of a sweep's sweep.json, each a folder directly inside the sweep's."""
-    path = folder / "sweep.json"
+    path = folder / SWEEP_RECORD
     try:
         runs = json.loads(path.read_text()).get("runs") if path.is_file() else None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):

@@ -55,7 +55,7 @@ from lingua.launcher import (
     split_arguments,
     write_job_record,
 )
-from lingua.run_folder import CODE, SUBMITIT, RunFolder
+from lingua.run_folder import CODE, PIPELINE_RECORD, SUBMITIT, SWEEP_RECORD, RunFolder
 from lingua.run_status import describe, format_status, is_folder_name, status_rows
 
 PATH_KEYS = ("dump_dir", "data.root_dir", "data.path", "data.tokenizer.path", "init_from", "eval.data")  # made absolute
@@ -271,7 +271,7 @@ def sweep_command(argv: list[str]) -> None:
     args = load_config(LauncherArgs, mine, base=launcher)  # the command line wins over the file
     if not args.dry_run:
         root.mkdir(parents=True, exist_ok=True)
-        atomic_write(root / "sweep.json", json.dumps({"sweep": str(Path(cli.sweep).resolve()),
+        atomic_write(root / SWEEP_RECORD, json.dumps({"sweep": str(Path(cli.sweep).resolve()),
                                                        "runs": [run.name for run in runs]}))
     _launch(runs, args, root)
 
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
             if len(rest) != 1 or rest[0].startswith("-"):
                 raise UserError("usage: python -m lingua.stool status SWEEP_PIPELINE_OR_DUMP_DIR")
             folder = Path(rest[0])
-            if (folder / "pipeline.json").exists():
+            if (folder / PIPELINE_RECORD).exists():
                 print(pipeline.format_status(folder))
             else:
                 print(format_status(status_rows(folder)))

@@ -174,8 +174,8 @@ class Trainer:
 
     def __init__(self, app: App, config, start: Start, run: RunFolder, device: torch.device, launch: Launch,
                  activity: Activity):
-        self.app, self.config, self.start, self.run, self.device, self.launch, self.activity = \
-            app, config, start, run, device, launch, activity
+        self.app, self.config, self.run, self.device, self.launch, self.activity = \
+            app, config, run, device, launch, activity
         self.tokenizer = build_tokenizer(config.data.tokenizer)
         self.model = build_model(app.build_model, config.model, self.tokenizer, device, config.seed,
                                  (config.distributed, launch), plan=app.parallelize)
@@ -189,7 +189,7 @@ class Trainer:
             for partial in remove_partial_writes(run.root):
                 logger.info(f"removed {partial.name}, left by a process killed while writing it")
         self.generator = torch.Generator(device).manual_seed(config.seed + launch.rank)  # the masking's draws
-        self.state = self._start_state()
+        self.state = self._start_state(start)  # init_from's weights are read there, then let go
         self.throughput = Throughput(self.model, config.data.batch_size * config.grad_acc_steps,
                                      math.prod(app.data.row_shape(config.data)), config.data.seq_len, launch.world_size,
                                      peak_flops(config.logging, device))
@@ -203,7 +203,7 @@ class Trainer:
             f"{self.throughput.per_step['data_tokens']:,} data tokens over all processes"
         )
 
-    def _start_state(self) -> TrainState:
+    def _start_state(self, start: Start) -> TrainState:
         """The resumed checkpoint's state, or a new run's (from `init_from`'s weights when given)."""
         config = self.config
         saved = resume(self.checkpoints, self.model, self.optimizer, self.app, config, self.launch)
@@ -212,8 +212,8 @@ class Trainer:
             if state.generator is not None:
                 self.generator.set_state(torch.tensor(state.generator, dtype=torch.uint8))
             return state
-        if self.start.init_from is not None:
-            changed = architecture_changes(self._load_init(self.start.init_from), config)
+        if start.init_from is not None:
+            changed = architecture_changes(self._load_init(start.init_from), config)
             if changed:
                 raise UserError(f"init_from {config.init_from} is a model of another architecture "
                                 f"({', '.join(changed)})")

@@ -13,7 +13,7 @@ import torch
 
 from apps.crossbert.train import APP as CROSSBERT
 from apps.finetune import train as finetune
-from apps.finetune.data import GlueDataArgs, GlueLoader, decode_labels, label_codes
+from apps.finetune.data import GlueDataArgs, GlueLoader, check_splits, decode_labels, label_codes, read_split
 from lingua.args import UserError, load_config, to_dict
 from lingua.checkpoint import Checkpoint, load_model
 from lingua.eval.glue_data import TASKS
@@ -67,7 +67,6 @@ def test_labels_travel_exactly_in_a_long_row():
 
 
 def test_max_train_keeps_one_fixed_subset_of_the_training_split():
-    from apps.finetune.data import read_split
 
     args = GlueDataArgs(path=str(FIXTURES), task="rte", max_train=5)
     full, first, again = (read_split(GlueDataArgs(path=str(FIXTURES), task="rte"), "train"), read_split(args, "train"),
@@ -283,9 +282,23 @@ def test_a_resume_on_another_number_of_processes_is_refused(pretrained, tmp_path
         finetune.APP.configure(args, open_start(finetune.APP, args, 1))
 
 
+def test_malformed_lines_are_reported_by_the_runs_reads_not_by_the_start_check(tmp_path, caplog):
+    """The start's check reads both splits quietly; the run's own reads of them report their malformed lines."""
+    glue = tmp_path / "glue"
+    shutil.copytree(FIXTURES, glue)
+    with open(glue / "RTE" / "train.tsv", "ab") as f:
+        f.write(b"not\ta line of RTE's four fields\n")
+    args = GlueDataArgs(path=str(glue), task="rte")
+    check_splits(args)
+    assert "malformed" not in caplog.text
+    read_split(args, "train")
+    assert caplog.text.count("skipped 1 malformed lines") == 1
+
+
 def test_init_from_is_opened_once_and_configure_reads_no_file(pretrained, tmp_path, monkeypatch):
-    """The start opens init_from once (its shapes, config and weights); configure decides from the start alone, so
-    it gives the same config with init_from and the GLUE files gone, for a new run and for a resumed one."""
+    """The start opens init_from once (its shapes, config and weights), and not at all for a resumed run; configure
+    decides from the start alone, so it gives the same config with init_from and the GLUE files gone, for a new run
+    and for a resumed one."""
     opened, original = [], Checkpoint.open.__func__
     monkeypatch.setattr(Checkpoint, "open", classmethod(lambda cls, path: opened.append(Path(path)) or
                                                         original(cls, path)))
@@ -300,6 +313,9 @@ def test_init_from_is_opened_once_and_configure_reads_no_file(pretrained, tmp_pa
         args = load_config(finetune.APP.args_cls, argv + [f"dump_dir={tmp_path / dump_dir}"])
         starts[dump_dir] = args, open_start(finetune.APP, args, 1)
     shutil.rmtree(source)
+    resumed = open_start(finetune.APP, starts["run"][0], 1)  # a resumed run has its own weights: init_from may go
+    assert resumed.init_from is None and resumed.resumed is not None
+    assert to_dict(finetune.APP.configure(starts["run"][0], resumed)) == to_dict(config)
     shutil.rmtree(glue)
     for dump_dir, (args, start) in starts.items():
         configured = finetune.APP.configure(args, start)

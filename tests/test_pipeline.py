@@ -19,7 +19,7 @@ import yaml
 from lingua.args import UserError
 from lingua.pipeline import format_status, launch
 from lingua.pipeline_plan import load_pipeline
-from lingua.pipeline_stage import _slurm_job_active, state_of, this_process
+from lingua.pipeline_stage import slurm_job_active, state_of, this_process
 from tests.conftest import REPO, end, offline_data, run_to_the_end, start, tagged_processes
 
 
@@ -233,6 +233,9 @@ def test_table3_debug_pipeline_end_to_end_on_offline_data(tmp_path, corpus):
     rows = [line for line in table.splitlines() if line.startswith("| BERT ") or line.startswith("| CrossBERT ")]
     assert len(rows) == 2 * 5 and all("–" not in row for row in rows), table  # every cell of ours filled
     assert "| *CrossBERT, paper* | 279M | 4.1e19 | 207k | 85.1 |" in table  # RTE beside ours, fine-tuning
+    assert "tps, as the paper's: training token-views per second per GPU" in table
+    assert "Metrics (dev, in %): RTE, SST2 and MRPC accuracy; CoLA Matthews correlation" in table
+    assert "## The literature in the paper's Table 3" in table
 
     # a stage that did not record its end (killed) runs again: its sweep submits its finished run again, which goes on
     (tmp_path / "table3" / "stages" / "finetune.bert" / "done.json").unlink()
@@ -292,7 +295,7 @@ def test_every_state_but_a_final_one_is_in_the_schedulers_hands(monkeypatch, sta
     import submitit
 
     monkeypatch.setattr(submitit.SlurmJob, "state", property(lambda job: state))
-    assert _slurm_job_active(Path("/nowhere"), "1") is active
+    assert slurm_job_active(Path("/nowhere"), "1") is active
 
 
 def test_a_value_stays_inside_its_argument(tmp_path):

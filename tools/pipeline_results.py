@@ -12,7 +12,7 @@ from pathlib import Path
 
 from lingua.args import UserError
 from lingua.metrics import read_metrics
-from lingua.run_folder import RESULTS, RunFolder
+from lingua.run_folder import PIPELINE_RECORD, RESULTS, RunFolder
 from tools import paper
 from tools.eval.mteb import benchmark_of
 from tools.finetune.table import choose, read_results
@@ -91,7 +91,7 @@ class Variant:
 
 
 def read_pipeline(folder: Path) -> list[Variant]:
-    record = folder / "pipeline.json"
+    record = folder / PIPELINE_RECORD
     if not record.exists():
         raise UserError(f"{folder} holds no pipeline (pipeline.json): python -m lingua.stool pipeline writes it")
     variants = json.loads(record.read_text())["variants"]

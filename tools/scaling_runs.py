@@ -15,6 +15,7 @@ import yaml
 from lingua.app import short_name
 from lingua.args import UserError, require
 from lingua.checkpoint import Checkpoint
+from lingua.launcher import read_job_record
 from lingua.metrics import read_metrics
 from lingua.run_folder import METRICS, RunFolder
 from lingua.scaling import best_per_group, fit_power_law
@@ -94,10 +95,10 @@ def probe_curves(run: dict[str, Any], probe: str) -> dict[str, list[tuple[float,
 
 def _app_of(dump_dir: Path) -> str:
     """The short name of the app that trained the run: from stool's job record, else its newest checkpoint or
-    export, else the first line of its log ("MODULE: N parameters ...")."""
-    job = RunFolder(dump_dir).job_record
-    if job.exists():
-        return short_name(json.loads(job.read_text())["script"])
+    consolidated.pt, else the first line of its log ("MODULE: N parameters ...")."""
+    job, _ = read_job_record(dump_dir)
+    if job is not None and isinstance(job.get("script"), str):
+        return short_name(job["script"])
     with contextlib.suppress(UserError):
         return short_name(Checkpoint.open(dump_dir).app_name)
     log = RunFolder(dump_dir).log.read_text(errors="replace") if RunFolder(dump_dir).log.exists() else ""

@@ -130,7 +130,7 @@ def build_contrastive(args: ContrastiveArgs, tokenizer) -> Contrastive:
     return Contrastive(args, tokenizer.vocab_size, tokenizer.pad_id)
 
 
-def configure(args, start):
-    """With init_from (`start.init_from`, lingua/resume.py Start), the pre-trained run's encoder and tokenizer; a warm
-    start of the attention pooler must have the config's shape (lingua/pretrained.py)."""
-    return adopt_pretrained(args, start.init_from, attention_pooler=args.model.pooler.kind == "attention")
+def configure(config, start):
+    """The pre-trained run's encoder and tokenizer (from `start`, lingua/resume.py: init_from or the resumed run);
+    a warm start of the attention pooler must have the config's shape (lingua/pretrained.py)."""
+    return adopt_pretrained(config, start, attention_pooler=config.model.pooler.kind == "attention")

@@ -19,7 +19,7 @@ import torch
 
 from lingua.args import UserError, at_least, require
 from lingua.eval.features import encode_example
-from lingua.eval.glue_data import TASKS, GlueTask, MissingSplit, load_split
+from lingua.eval.glue_data import TASKS, GlueTask, MissingSplit, SkippedLinesReport, load_split
 from lingua.tokenizer import TokenizerArgs
 
 logger = logging.getLogger(__name__)
@@ -49,14 +49,14 @@ class GlueDataArgs:
         return TASKS[self.task]
 
 
-def read_split(args: GlueDataArgs, split: str):
+def read_split(args: GlueDataArgs, split: str, report: SkippedLinesReport | None = None):
     """The task's "train" (at most max_train examples) or "dev" split; one line for a missing split or a label
-    outside the task's set."""
+    outside the task's set; its malformed lines reported through `report` (default: a warning)."""
     task = args.glue_task
     if not args.path:
         raise UserError("data.path is required: a folder in the GLUE TSV layout (SST-2/train.tsv, ...), or hf")
     try:
-        data = load_split(task, split, args.path, strict=True)
+        data = load_split(task, split, args.path, strict=True, report=report)
     except MissingSplit as e:
         raise UserError(f"{task.title}: {e}") from None
     if split == "train" and 0 < args.max_train < len(data.texts):
@@ -125,9 +125,11 @@ class GlueLoader:
 
 def check_splits(args: GlueDataArgs) -> dict[str, int]:
     """Both splits read and checked at the start (the DataPipeline's `check`), so that bad data stops the run
-    before anything is written; the facts the schedule follows from: {"train_rows": examples of the train split}."""
-    read_split(args, "dev")
-    return {"train_rows": len(read_split(args, "train").texts)}
+    before anything is written; the facts the schedule follows from: {"train_rows": examples of the train split}.
+    Their malformed lines are reported once, by the reads of the run itself."""
+    quiet = SkippedLinesReport(quiet=True)
+    read_split(args, "dev", quiet)
+    return {"train_rows": len(read_split(args, "train", quiet).texts)}
 
 
 def steps_per_epoch(examples: int, args: GlueDataArgs, world_size: int) -> int:

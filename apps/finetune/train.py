@@ -59,24 +59,24 @@ class FinetuneTrainArgs(TrainArgs):
                 "batch fits one step: set data.batch_size)")
 
 
-def configure(args: FinetuneTrainArgs, start: Start) -> FinetuneTrainArgs:
+def configure(config: FinetuneTrainArgs, start: Start) -> FinetuneTrainArgs:
     """The pre-trained run's shapes and tokenizer (lingua/pretrained.py), the task's head, the data order from the
     run's seed, and the schedule in epochs (from the train split's size, `check_splits`): `steps`, `optim.warmup`, the
     evaluation after each epoch and a checkpoint at least once an epoch. A run resumed on another number of
     processes, whose epochs would change, is refused."""
-    args = adopt_pretrained(args, start.init_from, attention_pooler=args.model.pooling == "attention")
-    per_epoch = steps_per_epoch(start.data["train_rows"], args.data, start.world_size)
-    steps = args.epochs * per_epoch
+    config = adopt_pretrained(config, start, attention_pooler=config.model.pooling == "attention")
+    per_epoch = steps_per_epoch(start.data["train_rows"], config.data, start.world_size)
+    steps = config.epochs * per_epoch
     started = start.resumed
     if started and (started["steps"], started["validation"]["every"]) != (steps, per_epoch):
-        raise UserError(f"{args.dump_dir} was started with {started['validation']['every']} steps an epoch, here "
+        raise UserError(f"{config.dump_dir} was started with {started['validation']['every']} steps an epoch, here "
                         f"{per_epoch}: resume it on as many processes as it started on")
-    task, seed = args.data.glue_task, args.seed if args.data.seed is None else args.data.seed
-    return replace(args, steps=steps, data=replace(args.data, seed=seed),
-                   model=replace(args.model, num_labels=len(task.labels) or 1),
-                   optim=replace(args.optim, warmup=round(args.warmup_ratio * steps)),
-                   validation=replace(args.validation, every=per_epoch, keep_best="val/score"),
-                   checkpoint=replace(args.checkpoint, every=min(args.checkpoint.every, per_epoch)),
+    task, seed = config.data.glue_task, config.seed if config.data.seed is None else config.data.seed
+    return replace(config, steps=steps, data=replace(config.data, seed=seed),
+                   model=replace(config.model, num_labels=len(task.labels) or 1),
+                   optim=replace(config.optim, warmup=round(config.warmup_ratio * steps)),
+                   validation=replace(config.validation, every=per_epoch, keep_best="val/score"),
+                   checkpoint=replace(config.checkpoint, every=min(config.checkpoint.every, per_epoch)),
                    origin=started["origin"] if started else pretrained_origin(start.init_from))
 
 

@@ -170,13 +170,15 @@ def load_hf_split(task: GlueTask, split: str) -> GlueSplit:
 
 class SkippedLinesReport:
     """Reports each split's malformed lines once per file (and version of it): the reader of a run that reads the
-    same files again (the probes during training, at every evaluation) keeps one."""
+    same files again (the probes during training, at every evaluation) keeps one. A quiet one reports nothing: a
+    check whose reads the run repeats, and reports, later."""
 
-    def __init__(self):
+    def __init__(self, quiet: bool = False):
         self.reported: set[tuple] = set()
+        self.quiet = quiet
 
     def report(self, task: GlueTask, split: str, source: str, version: tuple | None, data: GlueSplit) -> None:
-        if data.skipped and (source, version) not in self.reported:
+        if data.skipped and not self.quiet and (source, version) not in self.reported:
             self.reported.add((source, version))
             logger.warning(f"{task.title} {split}: {source}: skipped {data.skipped} malformed lines (the first at "
                            f"{data.first_skipped})")

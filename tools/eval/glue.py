@@ -18,7 +18,7 @@ from lingua.args import UserError, command_line, load_config
 from lingua.checkpoint import Checkpoint
 from lingua.distributed import resolve_device
 from lingua.eval.features import FeatureCache
-from lingua.eval.glue import GlueEvalArgs, check_args, evaluate_glue
+from lingua.eval.glue import GlueEvalArgs, check_args, evaluate_glue, probe_length
 from lingua.eval.report import format_table
 from lingua.files import atomic_write
 from lingua.metrics import setup_logging
@@ -27,7 +27,7 @@ from lingua.run_folder import RESULTS, RunFolder
 
 @dataclass
 class GlueCommandArgs(GlueEvalArgs):
-    ckpt: str = ""  # consolidated.pt, a checkpoint folder, or a run's dump_dir (its newest checkpoint, else export)
+    ckpt: str = ""  # a run's dump_dir (its newest checkpoint, else consolidated.pt), a checkpoint folder or a .pt file
     out: str = ""  # results file (.json) or folder; default DUMP_DIR/glue_eval/<checkpoint name>/results.json
     cache_dir: str = ""  # feature cache; default DUMP_DIR/glue_eval/cache
     device: str = "auto"  # auto: cuda if available, else cpu
@@ -53,9 +53,7 @@ def run(args: GlueCommandArgs) -> dict:
     device = resolve_device(args.device)
     model, config, tokenizer = opened.load(device)
     checkpoint = opened.path
-    # default: the length the model was trained on; never past its position table
-    max_len = min(args.max_len or config.data.seq_len, config.model.encoder.max_seqlen)
-    args = replace(args, max_len=max_len)
+    args = replace(args, max_len=probe_length(args, config.data.seq_len, config.model.encoder.max_seqlen))
     run = RunFolder.of(checkpoint)
     cache = FeatureCache(args.cache_dir or run.feature_cache, checkpoint_identity(checkpoint))
     results = {"checkpoint": str(checkpoint), "args": asdict(args),

@@ -27,7 +27,7 @@ from lingua.run_folder import RESULTS, RunFolder
 
 @dataclass
 class MtebCommandArgs:
-    ckpt: str = ""  # consolidated.pt, a checkpoint folder, or a run's dump_dir (its newest checkpoint, else export)
+    ckpt: str = ""  # a run's dump_dir (its newest checkpoint, else consolidated.pt), a checkpoint folder or a .pt file
     benchmark: str = "MTEB(eng, v2)"  # an mteb benchmark name
     tasks: list[str] = field(default_factory=list)  # task names (default: the whole benchmark)
     batch_size: int = 32  # texts per forward pass

@@ -40,7 +40,7 @@ class Result:
 
 
 def read_results(folders: list[Path]) -> tuple[list[Result], list[Path]]:
-    """(the finished runs' results, the runs not finished yet: no consolidated.pt, the last step's export)."""
+    """(the finished runs' results, the runs not finished yet: no consolidated.pt, the last step's weights)."""
     results, unfinished = [], []
     for config_file in sorted(p for folder in folders for p in folder.rglob(CONFIG)):
         run = RunFolder(config_file.parent)
