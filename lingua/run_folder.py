@@ -73,6 +73,10 @@ class RunFolder:
     def log(self) -> Path:
         return self.root / LOG
 
+    def log_text(self) -> str:
+        """The log's text, "" for a run that has none yet."""
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
     @property
     def checkpoints(self) -> Path:
         return self.root / CHECKPOINTS

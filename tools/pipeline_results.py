@@ -24,7 +24,7 @@ def pretraining(run: Path) -> dict | None:
     records = [r for r in read_metrics(RunFolder(run).metrics) if "loss" in r] if run.is_dir() else []
     if not records:
         return None
-    log = RunFolder(run).log.read_text(errors="replace") if RunFolder(run).log.exists() else ""
+    log = RunFolder(run).log_text()
     found = re.search(r": ([\d,]+) parameters", log)
     worlds = re.findall(r" on (\d+) process\(es\)", log)
     views_per_s = statistics.median(r["token_views_per_s"] for r in records[1:] or records)  # over all processes

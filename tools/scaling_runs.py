@@ -101,7 +101,7 @@ def _app_of(dump_dir: Path) -> str:
         return short_name(job["script"])
     with contextlib.suppress(UserError):
         return short_name(Checkpoint.open(dump_dir).app_name)
-    log = RunFolder(dump_dir).log.read_text(errors="replace") if RunFolder(dump_dir).log.exists() else ""
+    log = RunFolder(dump_dir).log_text()
     found = re.search(r" (\S+): [\d,]+ parameters", log)
     return short_name(found.group(1)) if found else "?"
 
