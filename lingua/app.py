@@ -8,8 +8,10 @@ An app is a package `<name>/` (the shipped ones live in `apps/`) with
 - `configs/*.yaml` (`debug.yaml`, `single_scale.yaml` and `scaling_*.yaml` are found by the tools when present).
 The tools find an app by name: `bert` is `apps/bert`, any other importable package `toy` with a `toy/train.py`
 works the same (`tools.benchmark apps=toy`); every package of `apps/` with a train.py is registered
-(`apps.registered_apps`), and the tests iterate over them. An app that trains on something other than packed text rows
-(contrastive triplets) gives its own `DataPipeline`; one that starts from another app's weights gives `load_init`
+(`apps.registered_apps`), and the tests iterate over them. A checkpoint rebuilds its model through the app it names
+only when that is one of these or the app named on the command line (`trusted_app`): opening one imports nothing
+else. An app that trains on something other than packed text rows (contrastive triplets) gives its own
+`DataPipeline`; one that starts from another app's weights gives `load_init`
 (and `configure`, to take that run's shapes); one scored otherwise than by a loss on held-out rows gives `validate`
 (fine-tuning: dev-set metrics); one measured otherwise too during training (e.g. an STS score) gives `evaluations`.
 `configure` decides and reads no file: the loop reads, once, what the run starts from (lingua/resume.py `Start`:
@@ -177,6 +179,47 @@ class App:
 def short_name(module: str) -> str:
     """An app's name from the module that defines it: `bert` for apps.bert.train, `toy` for toy.train."""
     return module.removesuffix(".train").removeprefix("apps.")
+
+
+APPS_FOLDER = Path(__file__).resolve().parents[1] / "apps"  # the apps shipped with this code, beside lingua/
+
+
+def shipped_apps() -> list[str]:
+    """The names of this code's apps: the packages of the apps folder beside lingua/ with a train.py, found by
+    listing the folder (nothing is imported)."""
+    found = APPS_FOLDER.iterdir() if APPS_FOLDER.is_dir() else []
+    return sorted(p.name for p in found if p.name.isidentifier() and (p / "__init__.py").is_file()
+                  and (p / "train.py").is_file())
+
+
+def shipped_module(saved: str) -> str | None:
+    """The module of this code's app that `saved` (the app a checkpoint names) is, `apps.bert.train` for
+    `apps.bert.train` or `bert`; None for any other name."""
+    name = short_name(saved)
+    return f"apps.{name}.train" if name in shipped_apps() and saved in (name, f"apps.{name}.train") else None
+
+
+class UntrustedApp(UserError):
+    """A checkpoint names an app that is neither one of this code's nor the one named on the command line."""
+
+    def __init__(self, where: str, saved: str, named: str | None):
+        self.refusal = (f"{where} was saved by app '{saved}', which is {'neither ' if named else 'not '}one of this "
+                        f"code's apps ({', '.join(shipped_apps())}){f' nor {named}' if named else ''}: nothing was "
+                        "imported")
+        super().__init__(f"{self.refusal}; if you trust it, run again with app={saved}")
+
+
+def trusted_app(saved: str, named: str | None, where: str) -> App:
+    """The app that rebuilds a model saved by the app `saved` (what `where`, a checkpoint, names): one of this code's
+    apps, or the one the user named on the command line (`named`: `load_app` resolves it). A checkpoint from
+    elsewhere names whatever it likes (`this`, a train.py it brought along): any other name is refused before
+    anything is imported."""
+    module = shipped_module(saved)
+    if module is not None:
+        return load_app(module)
+    if named and short_name(named) == short_name(saved):
+        return load_app(named)
+    raise UntrustedApp(where, saved, named)
 
 
 def load_app(name: str) -> App:

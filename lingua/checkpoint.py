@@ -16,10 +16,11 @@ new one's rename is on disk, so a half-deleted one never looks complete. When th
 copy whose step has no other one is put back (the save was killed between its two renames); every other leftover of
 a killed process is removed.
 
-Nothing in a checkpoint folder is unpickled without restriction (`lingua.safe_dcp`), so opening one runs no code.
+Nothing in a checkpoint folder is unpickled without restriction (`lingua.safe_dcp`), and the app it names rebuilds
+the model only if it is one of this code's apps or the one the user named (`app=`), so opening one runs no code.
 
-`python -m lingua.checkpoint consolidate CHECKPOINT_DIR OUT.pt` writes any checkpoint's weights into one file (the
-HuggingFace folder is lingua/export.py's).
+`python -m lingua.checkpoint consolidate CHECKPOINT_DIR OUT.pt [app=NAME]` writes any checkpoint's weights into one
+file (the HuggingFace folder is lingua/export.py's).
 """
 
 import contextlib
@@ -51,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lingua import safe_dcp
-from lingua.app import build_model, load_app
+from lingua.app import App, build_model, trusted_app
 from lingua.args import UserError, at_least, from_dict
 from lingua.distributed import all_reduce, fail_together, on_rank_zero, rank_and_world
 from lingua.files import atomic_write, fsync_dir
@@ -327,31 +328,33 @@ def save_consolidated(model: nn.Module, params: dict, path: str | Path) -> Path:
     return path
 
 
-def build_from_params(params: dict, device: str | torch.device = "cpu"):
-    """The (initialised, untrained) model, config and tokenizer of {"app": module, "config": dict}."""
+def build_from_params(params: dict, device: str | torch.device = "cpu", app: str | None = None,
+                      where: str = "the checkpoint"):
+    """The (initialised, untrained) model, config and tokenizer of {"app": module, "config": dict}, built by one of
+    this code's apps or by `app`, the one the user named on the command line; any other app is refused, unimported."""
     from lingua.tokenizer import build_tokenizer
 
     name = params["app"]
     try:
-        app = load_app(name)
-    except UserError:
-        raise UserError(f"the checkpoint's app {name!r} is not in this code (no module defines its APP)") from None
+        builder = trusted_app(name, app, where)
     except ImportError as e:  # the app is there, but not what it imports
-        raise UserError(f"the checkpoint's app {name!r} cannot be imported ({short_reason(e)})") from None
-    config = from_dict(app.args_cls, params["config"])
+        raise UserError(f"{where}'s app {name!r} cannot be imported ({short_reason(e)})") from None
+    config = from_dict(builder.args_cls, params["config"])
     tokenizer = build_tokenizer(config.data.tokenizer)
-    return build_model(app.build_model, config.model, tokenizer, torch.device(device)), config, tokenizer
+    return build_model(builder.build_model, config.model, tokenizer, torch.device(device)), config, tokenizer
 
 
 class Checkpoint:
     """The one reader of what the library saves: a checkpoint folder (DCP shards), a run's dump_dir (its newest
     complete checkpoint, else its consolidated.pt: a run extended after its consolidated.pt has newer weights in its
     checkpoints) or a consolidated file. Opening reads the app, the config and every model tensor's shape, no
-    weight; `load_into` puts the weights into a model as it is (full or sharded); `load` builds the model and
-    loads it. Every problem is one line naming the file."""
+    weight; `load_into` puts the weights into a model as it is (full or sharded); `build` and `load` build the model
+    through its app, one of this code's or `named_app`, the one the user named for this command (any other is refused
+    unimported: the app is a name read from the file). Every problem is one line naming the file."""
 
-    def __init__(self, path: Path, params: dict, shapes: dict[str, tuple[int, ...]], weights: dict | None = None):
-        self.path, self.params, self.shapes = path, params, shapes
+    def __init__(self, path: Path, params: dict, shapes: dict[str, tuple[int, ...]], weights: dict | None = None,
+                 named_app: str | None = None):
+        self.path, self.params, self.shapes, self.named_app = path, params, shapes, named_app
         self._weights = weights  # a consolidated file's tensors, memory-mapped
 
     @property
@@ -363,10 +366,11 @@ class Checkpoint:
         return self.params["config"]
 
     @classmethod
-    def open(cls, path: str | Path) -> "Checkpoint":
+    def open(cls, path: str | Path, app: str | None = None) -> "Checkpoint":
+        """`app`: the app the user named on the command line (app=NAME), trusted to rebuild it beside this code's."""
         path = cls.resolve(path)
         try:
-            return cls.read(path)
+            return cls.read(path, app)
         except DamagedCheckpoint as e:
             raise UserError(f"checkpoint {path} is damaged: {e}") from None
 
@@ -387,19 +391,20 @@ class Checkpoint:
         return path
 
     @classmethod
-    def read(cls, path: Path) -> "Checkpoint":
+    def read(cls, path: Path, named_app: str | None = None) -> "Checkpoint":
         """A checkpoint folder or a consolidated file; DamagedCheckpoint for a folder with a missing, truncated or
         unreadable file."""
         if path.is_dir():
-            return cls(path, verify(path), saved_shapes(path))
+            return cls(path, verify(path), saved_shapes(path), named_app=named_app)
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # pickle, zip and torch errors of every kind: this is not one of our files
             raise UserError(f"{path} is not a checkpoint (torch.load: {type(e).__name__})") from None
-        if not isinstance(saved, dict) or not {"app", "config", "model"} <= saved.keys():
+        if not isinstance(saved, dict) or not {"app", "config", "model"} <= saved.keys() or \
+                not isinstance(saved["app"], str) or not isinstance(saved["config"], dict):
             raise UserError(f"{path} is not a checkpoint of this library (no app, config and model in it)")
         shapes = {k: tuple(v.shape) for k, v in saved["model"].items()}
-        return cls(path, {"app": saved["app"], "config": saved["config"]}, shapes, saved["model"])
+        return cls(path, {"app": saved["app"], "config": saved["config"]}, shapes, saved["model"], named_app)
 
     def mismatches(self, model: nn.Module) -> list[str]:
         """Parameter names whose saved shape differs from the model's, or that only one side has (global shapes of
@@ -441,9 +446,17 @@ class Checkpoint:
         keys = TrainState.saved_fields()
         return [_read_json(file, keys) for file in sorted(self.path.glob("train_state_*.json"))]
 
+    def app(self) -> App:
+        """The app that rebuilds the model: the one it names, if it is one of this code's or the named app."""
+        return trusted_app(self.app_name, self.named_app, f"checkpoint {self.path}")
+
+    def build(self, device: str | torch.device = "cpu"):
+        """The model of the checkpoint's config, initialised (no weight is read), its config and its tokenizer."""
+        return build_from_params(self.params, device, self.named_app, f"checkpoint {self.path}")
+
     def load(self, device: str | torch.device = "cpu"):
         """The trained model (eval mode), its config and its tokenizer, built from the checkpoint's own config."""
-        model, config, tokenizer = build_from_params(self.params, device)
+        model, config, tokenizer = self.build(device)
         mismatched = self.mismatches(model)
         if mismatched:  # the model was rebuilt from the checkpoint's own config: its files do not match it
             raise UserError(f"checkpoint {self.path} is damaged: its tensors do not match its config (first: "
@@ -452,9 +465,9 @@ class Checkpoint:
         return model.eval(), config, tokenizer
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu"):
-    """Model (eval mode), config and tokenizer of anything `Checkpoint.open` accepts."""
-    return Checkpoint.open(path).load(device)
+def load_model(path: str | Path, device: str | torch.device = "cpu", app: str | None = None):
+    """Model (eval mode), config and tokenizer of anything `Checkpoint.open` accepts (`app`: as there)."""
+    return Checkpoint.open(path, app).load(device)
 
 
 def shape_mismatches(saved: dict[str, tuple[int, ...]], model: nn.Module) -> list[str]:
@@ -463,14 +476,20 @@ def shape_mismatches(saved: dict[str, tuple[int, ...]], model: nn.Module) -> lis
     return sorted(k for k in saved.keys() | expected.keys() if saved.get(k) != expected.get(k))
 
 
+USAGE = """usage: python -m lingua.checkpoint consolidate CHECKPOINT_DIR OUT.pt [app=NAME]
+  app=NAME  rebuild with this app (e.g. my_pkg.my_app) a checkpoint saved by it: only this code's apps are trusted
+            otherwise"""
+
+
 def main(argv: list[str]) -> None:
-    if len(argv) != 3 or argv[0] != "consolidate":
-        sys.exit("usage: python -m lingua.checkpoint consolidate CHECKPOINT_DIR OUT.pt")
+    named = [a.removeprefix("app=") for a in argv[3:] if a.startswith("app=")]
+    if len(argv) - len(named) != 3 or argv[0] != "consolidate" or len(named) > 1:
+        sys.exit(USAGE)
     try:
         path = Checkpoint.resolve(argv[1])
         if not path.is_dir():
             raise UserError(f"{path} is a file; consolidate takes a checkpoint folder or a run's dump_dir")
-        checkpoint = Checkpoint.open(path)
+        checkpoint = Checkpoint.open(path, *named)
         model, _, _ = checkpoint.load()
         print(f"wrote {save_consolidated(model, checkpoint.params, argv[2])}")
     except UserError as e:

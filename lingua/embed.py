@@ -51,11 +51,13 @@ class Embedder:
                                 self.device, f"embedding {len(texts)} texts", pool=self.pool)["last"]
 
 
-def load_embedder(path: str, device: str = "auto", pooling: str = "auto", max_len: int = 0) -> Embedder:
-    """An Embedder for the checkpoint at `path` (a run's dump_dir, a checkpoint folder or a consolidated.pt)."""
+def load_embedder(path: str, device: str = "auto", pooling: str = "auto", max_len: int = 0,
+                  app: str | None = None) -> Embedder:
+    """An Embedder for the checkpoint at `path` (a run's dump_dir, a checkpoint folder or a consolidated.pt); `app`:
+    the app the user named, trusted to rebuild it beside this code's own (`Checkpoint.open`)."""
     if pooling not in POOLINGS:
         raise UserError(f"pooling must be one of {', '.join(POOLINGS)}, got '{pooling}'")
-    opened = Checkpoint.open(path)
+    opened = Checkpoint.open(path, app)
     resolved = resolve_device(device)
     model, config, tokenizer = opened.load(resolved)
     checkpoint = opened.path

@@ -1,6 +1,6 @@
 """Export a checkpoint of any app to a folder that HuggingFace `transformers` and `sentence-transformers` load:
 
-    python -m lingua.export ckpt=DUMP_DIR_OR_CHECKPOINT out=FOLDER [pooling=auto|mean] [max_len=0]
+    python -m lingua.export ckpt=DUMP_DIR_OR_CHECKPOINT out=FOLDER [pooling=auto|mean] [max_len=0] [app=NAME]
 
 The folder holds the model in plain PyTorch (`modeling_lingua.py`, `configuration_lingua.py`: no Lingua needed to
 load it), its weights (`model.safetensors`), the tokenizer (`tokenizer.json`: GPT-2's BPE or the bytes one, with
@@ -58,6 +58,7 @@ class ExportArgs:
     out: str = ""  # the folder to write
     pooling: str = "auto"  # auto: the model's trained pooler if it has one, else mean | mean: always the mean
     max_len: int = 0  # tokens per text, <s> and </s> included; 0: the run's training length
+    app: str = ""  # ckpt's app when not one of this code's (e.g. my_pkg.my_app): trusted to rebuild it
 
 
 def export(args: ExportArgs) -> Path:
@@ -70,8 +71,8 @@ def export(args: ExportArgs) -> Path:
     out = Path(args.out).resolve()  # `out=.` has a name, and a link the folder it points to
     check_replaceable(out)
     repair_interrupted(out)
-    checkpoint = Checkpoint.open(args.ckpt)
-    embedder = load_embedder(str(checkpoint.path), "cpu", args.pooling, args.max_len)
+    checkpoint = Checkpoint.open(args.ckpt, args.app or None)
+    embedder = load_embedder(str(checkpoint.path), "cpu", args.pooling, args.max_len, args.app or None)
     params = checkpoint.params
     model = embedder.model
     pooler = getattr(model, "pooler", None) if args.pooling == "auto" else None

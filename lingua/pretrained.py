@@ -8,8 +8,9 @@ from dataclasses import replace
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from lingua.app import UntrustedApp
 from lingua.args import UserError, from_dict, to_dict
-from lingua.checkpoint import Checkpoint, build_from_params
+from lingua.checkpoint import Checkpoint
 from lingua.pooler import PoolerArgs, pooler_transformer
 from lingua.resume import Start
 from lingua.transformer import TransformerArgs, head_dim_of
@@ -25,14 +26,25 @@ def adopt_pretrained(config, start: Start, attention_pooler: bool):
     source = start.resumed or (start.init_from.config if start.init_from is not None else None)
     if source is None or not config.init_from:
         return config
+    if start.init_from is not None:
+        check_trusted(start.init_from)
     encoder = {k: v for k, v in source["model"]["encoder"].items() if k not in RUNTIME_KEYS}
     model = replace(config.model, encoder=replace(config.model.encoder, **encoder))
     if start.init_from is not None and attention_pooler:
-        pretrained = build_from_params(start.init_from.params, "meta")[0]  # shapes only: no weight is read
+        pretrained = start.init_from.build("meta")[0]  # shapes only: no weight is read
         if _warm_starts(model.pooler, pretrained):
             check_warm_start_shape(pooler_transformer(model.pooler, model.encoder), pretrained.pooler_warm_start()[0])
     tokenizer = from_dict(type(config.data.tokenizer), source["data"]["tokenizer"])
     return replace(config, model=model, data=replace(config.data, tokenizer=tokenizer))
+
+
+def check_trusted(init_from: Checkpoint) -> None:
+    """init_from's model is rebuilt by the app it names only if that is one of this code's apps or this run's (a
+    training command names no other), checked before anything is imported or written."""
+    try:
+        init_from.app()
+    except UntrustedApp as e:
+        raise UserError(f"init_from: {e.refusal}") from None
 
 
 def check_warm_start_shape(pooler: TransformerArgs, source: TransformerArgs) -> None:

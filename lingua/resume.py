@@ -34,7 +34,7 @@ def open_start(app: App, config, world_size: int) -> Start:
     resumed, init_from = resumed_config(Path(config.dump_dir)), None
     if config.init_from and resumed is None:
         try:
-            init_from = Checkpoint.open(config.init_from)
+            init_from = Checkpoint.open(config.init_from, app.name)  # this run's app is the one its command names
         except UserError as e:
             raise UserError(f"init_from: {e}") from None
     return Start(init_from, resumed, world_size, app.data.check(config.data))

@@ -300,8 +300,8 @@ def test_init_from_is_opened_once_and_configure_reads_no_file(pretrained, tmp_pa
     decides from the start alone, so it gives the same config with init_from and the GLUE files gone, for a new run
     and for a resumed one."""
     opened, original = [], Checkpoint.open.__func__
-    monkeypatch.setattr(Checkpoint, "open", classmethod(lambda cls, path: opened.append(Path(path)) or
-                                                        original(cls, path)))
+    monkeypatch.setattr(Checkpoint, "open", classmethod(lambda cls, path, app=None: opened.append(Path(path)) or
+                                                        original(cls, path, app)))
     source, glue = tmp_path / "source", tmp_path / "glue"
     shutil.copytree(pretrained, source)
     shutil.copytree(FIXTURES, glue)

@@ -1,6 +1,7 @@
 """Adding an app is local: a new app, a span-masking MLM written into a temporary folder (a model file, an entry
 point as short as BERT's, a config), trains, resumes, benchmarks, plans a scaling run, is probed on GLUE and is
-exported, with no file outside its folder changed."""
+exported, with no file outside its folder changed (the commands that open its checkpoints name it, app=spanmlm: a
+checkpoint builds no app but this code's unless the user names it)."""
 
 import json
 import textwrap
@@ -134,13 +135,13 @@ def test_an_app_outside_the_tree_trains_resumes_benchmarks_plans_probes_and_expo
     scaling.main(["plan", "app=spanmlm", "compute=1e19", "gpus=8"])
     assert "spanmlm at C = 1e+19 FLOPs" in capsys.readouterr().out
 
-    glue_command.main([f"ckpt={dump}", f"data={GLUE}", "tasks=sst2", "probes=linear"])
+    glue_command.main([f"ckpt={dump}", f"data={GLUE}", "tasks=sst2", "probes=linear", "app=spanmlm"])
     results = json.loads(next((dump / "glue_eval").glob("*/results.json")).read_text())
     assert "sst2" in results["summary"]["last"]["linear"]
 
     out = tmp_path / "hf"
-    export.main([f"ckpt={dump}", f"out={out}"])
-    model, _, tokenizer = load_model(dump)
+    export.main([f"ckpt={dump}", f"out={out}", "app=spanmlm"])  # an app not of this code is named to be trusted
+    model, _, tokenizer = load_model(dump, app="spanmlm")
     hf_model = transformers.AutoModel.from_pretrained(out, trust_remote_code=True).eval()
     tokens = torch.tensor([tokenizer.encode("the cat sat")])
     with torch.no_grad():

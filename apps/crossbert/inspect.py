@@ -1,5 +1,5 @@
 """What a CrossBERT checkpoint's predictor reads, on its own validation data (docs/crossbert_slow_start.md):
-    python -m apps.crossbert.inspect ckpt=dump/crossbert_debug [n_sequences=64] [seed=0]
+    python -m apps.crossbert.inspect ckpt=dump/crossbert_debug [n_sequences=64] [seed=0] [app=NAME]
 
 The validation rows of the run's data are masked as in training and one view of each is inspected (view A: the
 visible tokens in the encoder, the masked ones as queries). Printed:
@@ -36,6 +36,7 @@ class InspectArgs:
     ckpt: str = ""  # a CrossBERT run's dump_dir, a checkpoint folder or a consolidated.pt
     n_sequences: int = 64  # validation rows to inspect
     seed: int = 0  # the masking of those rows
+    app: str = ""  # ckpt's app when not one of this code's (e.g. my_pkg.my_app): trusted to rebuild it
 
     def __post_init__(self):
         at_least(self, 1, "n_sequences")
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         args = load_config(InspectArgs, sys.argv[1:] if argv is None else argv)
         if not args.ckpt:
             raise UserError("ckpt= is required: a CrossBERT run's dump_dir, a checkpoint folder or a consolidated.pt")
-        model, config, tokenizer = load_model(args.ckpt)
+        model, config, tokenizer = load_model(args.ckpt, app=args.app or None)
         if not hasattr(model, "predictor"):
             raise UserError(f"{args.ckpt} is not a CrossBERT checkpoint (its model has no predictor)")
         tokens = load_validation(config.data, tokenizer, args.n_sequences).tokens

@@ -2,6 +2,7 @@
 
     python -m tools.eval.embeddings ckpt=DUMP_DIR_OR_CHECKPOINT [retrieval=BEIR_FOLDER] [sts=FOLDER]
         [sts_sets=STSBenchmark/test,SICK/test] [pooling=auto|mean] [max_len=0] [batch_size=32] [out=RESULTS.json]
+        [app=NAME]
 
 Retrieval: a BEIR-format folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv), dense search by cosine similarity,
 nDCG@10, recall@100 and MRR@10 on its `split`. STS: every scored-pair set found under `sts` (SemEval STS 2012-2016,
@@ -37,6 +38,7 @@ class EmbeddingEvalArgs:
     batch_size: int = 32  # texts per forward pass
     device: str = "auto"  # auto: cuda if available, else cpu
     out: str = ""  # results file (.json) or folder; default DUMP_DIR/embedding_eval/<checkpoint name>/results.json
+    app: str = ""  # ckpt's app when not one of this code's (e.g. my_pkg.my_app): trusted to rebuild it
 
 
 def run(args: EmbeddingEvalArgs) -> dict:
@@ -47,7 +49,7 @@ def run(args: EmbeddingEvalArgs) -> dict:
     if args.pooling not in POOLINGS:
         raise UserError(f"pooling must be one of {', '.join(POOLINGS)}, got '{args.pooling}'")
     sts_sets = select_sts_sets(args) if args.sts else {}  # reading the files first: bad input fails before the model
-    embedder = load_embedder(args.ckpt, args.device, args.pooling, args.max_len)
+    embedder = load_embedder(args.ckpt, args.device, args.pooling, args.max_len, args.app or None)
     results: dict = {"checkpoint": args.ckpt, "args": asdict(args)}
     if args.retrieval:
         results["retrieval"] = {Path(args.retrieval).name: evaluate_retrieval(embedder, args.retrieval, args.split,

@@ -1,7 +1,7 @@
 """Frozen GLUE evaluation of a checkpoint of any app (linear and kNN probes, paper section 4.1):
 
     python -m tools.eval.glue ckpt=DUMP_DIR_OR_CHECKPOINT data=GLUE_DIR_OR_hf [tasks=sst2,cola] [probes=linear,knn]
-        [layers=last|all|0,3] [max_train=10000] [out=RESULTS_DIR_OR_JSON] [cache_dir=DIR] [device=auto]
+        [layers=last|all|0,3] [max_train=10000] [out=RESULTS_DIR_OR_JSON] [cache_dir=DIR] [device=auto] [app=NAME]
 
 Prints the scores (one row per task, then the paper's table layout with the average) and writes results.json,
 by default to DUMP_DIR/glue_eval/<checkpoint name>/. Features are cached in DUMP_DIR/glue_eval/cache, keyed by the
@@ -31,6 +31,7 @@ class GlueCommandArgs(GlueEvalArgs):
     out: str = ""  # results file (.json) or folder; default DUMP_DIR/glue_eval/<checkpoint name>/results.json
     cache_dir: str = ""  # feature cache; default DUMP_DIR/glue_eval/cache
     device: str = "auto"  # auto: cuda if available, else cpu
+    app: str = ""  # ckpt's app when not one of this code's (e.g. my_pkg.my_app): trusted to rebuild it
 
 
 def checkpoint_identity(checkpoint: Path) -> str:
@@ -49,7 +50,7 @@ def run(args: GlueCommandArgs) -> dict:
     if not args.ckpt:
         raise UserError("ckpt= is required: a consolidated.pt, a checkpoint folder or a run's dump_dir")
     check_args(args)  # before the (slow) model loading
-    opened = Checkpoint.open(args.ckpt)
+    opened = Checkpoint.open(args.ckpt, args.app or None)
     device = resolve_device(args.device)
     model, config, tokenizer = opened.load(device)
     checkpoint = opened.path

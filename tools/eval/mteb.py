@@ -2,6 +2,7 @@
 
     python -m tools.eval.mteb ckpt=DUMP_DIR_OR_CHECKPOINT [benchmark="MTEB(eng, v2)"] [tasks=STS12,SciFact]
         [batch_size=32] [device=auto] [pooling=auto] [max_len=0] [out=DIR] [overwrite=false] [offline=DATA_DIR]
+        [app=NAME]
 
 Prints each task's main score, then the paper's table (one column per task type, Avg. = their mean, Overall = the
 mean over tasks). Writes mteb's result files under OUT/results/ and the summary, OUT/results.json; OUT defaults to
@@ -37,6 +38,7 @@ class MtebCommandArgs:
     out: str = ""  # results folder; default DUMP_DIR/mteb_eval/<checkpoint name>/
     overwrite: bool = False  # run again the tasks whose results are already in out
     offline: str = ""  # a folder of local data (glue/, retrieval/): its stand-in tasks instead of the benchmark
+    app: str = ""  # ckpt's app when not one of this code's (e.g. my_pkg.my_app): trusted to rebuild it
 
     def __post_init__(self):
         at_least(self, 1, "batch_size")
@@ -74,7 +76,8 @@ def run(args: MtebCommandArgs) -> dict:
         out.mkdir(parents=True, exist_ok=True)  # now, not after hours of evaluation
     except OSError as e:
         raise UserError(f"cannot create {out}: {e.strerror}") from None
-    embedder = load_embedder(args.ckpt, device=args.device, pooling=args.pooling, max_len=args.max_len)
+    embedder = load_embedder(args.ckpt, device=args.device, pooling=args.pooling, max_len=args.max_len,
+                             app=args.app or None)
     scores = run_mteb(embedder, tasks, results_dir=out, batch_size=args.batch_size, overwrite=args.overwrite)
     results = {"checkpoint": args.ckpt, "model": embedder.name, "args": asdict(args), "tasks": scores,
                "summary": summarize(scores)}

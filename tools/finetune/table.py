@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from lingua.app import load_app, short_name
+from lingua.app import load_app, shipped_module, short_name
 from lingua.args import UserError, command_line
 from lingua.checkpoint import Checkpoint
 from lingua.eval.glue_data import TASKS
@@ -79,8 +79,9 @@ def paper_app(model: str) -> str | None:
     if not Path(model).exists():
         return None
     checkpoint = Checkpoint.open(model)
-    name = short_name(checkpoint.app_name)
-    single_scale = load_app(name).config("single_scale") if name in GLUE_FINETUNE else None
+    module = shipped_module(checkpoint.app_name)  # a name read from the run: only this code's apps are loaded
+    name = short_name(module) if module else None
+    single_scale = load_app(module).config("single_scale") if name in GLUE_FINETUNE else None
     if single_scale is None:
         return None
     paper = yaml.safe_load(single_scale.read_text())["model"]["encoder"]
