@@ -2,6 +2,7 @@ import gzip
 import io
 import itertools
 import json
+import shutil
 import sys
 import tarfile
 import types
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import load_setup_script
 
+from lingua import written_folder
 from lingua.args import UserError
 
 prep = load_setup_script("prepare_data")
@@ -116,12 +118,12 @@ def test_bad_inputs_exit_with_one_line_error(tmp_path, capsys, setup, message):
 
 def test_existing_output_needs_overwrite(tmp_path, inputs):
     folder, _ = inputs
-    out = run_local(tmp_path, str(folder))
+    out = run_local(tmp_path, str(folder), "--docs-per-chunk", "1")
     with pytest.raises(SystemExit):
         run_local(tmp_path, str(folder))
-    (out / "train.00099.jsonl").write_text("stale\n")
-    run_local(tmp_path, str(folder), "--overwrite")
-    assert not (out / "train.00099.jsonl").exists()
+    run_local(tmp_path, str(folder), "--overwrite")  # fewer chunks: the earlier ones beyond them go too
+    assert sorted(p.name for p in out.iterdir()) == ["prepared.json", "train.00000.jsonl", "valid.jsonl"]
+    assert json.loads((out / "prepared.json").read_text())["files"] == sorted(p.name for p in out.iterdir())
     assert [p.name for p in out.parent.iterdir()] == ["src"]  # no temporary folder left behind
 
 
@@ -151,6 +153,36 @@ def test_overwrite_replaces_only_what_prepare_data_wrote(tmp_path, inputs, capsy
     assert files_of(tmp_path) == {**before, "notes/README.md": b"mine\n"}
 
 
+def test_overwrite_never_deletes_what_the_user_added_to_an_output(tmp_path, inputs, capsys):
+    folder, _ = inputs
+    out = run_local(tmp_path, str(folder))
+    (out / "my_notes.txt").write_text("mine\n")
+    (out / "tokenized").mkdir()
+    before = files_of(tmp_path)
+    refused(capsys, ["local", "--root", str(tmp_path / "data"), "--source", "src", str(folder), "--overwrite"],
+            f"{out} holds files that prepare_data.py did not write (my_notes.txt, tokenized)")
+    assert files_of(tmp_path) == before and (out / "tokenized").is_dir()
+
+
+@pytest.mark.parametrize("leftover", ["partial", "previous"])
+def test_a_folder_beside_the_output_that_the_script_did_not_write_is_kept(tmp_path, inputs, capsys, leftover):
+    """ROOT/.src.partial and ROOT/.src.previous are the folders a write keeps beside ROOT/src: a user's folder of
+    that name (a partial one), or an input there (a previous one), used to be deleted before the write."""
+    folder, _ = inputs
+    root = tmp_path / "data"
+    partial, previous = prep.leftovers(root / "src")
+    if leftover == "partial":
+        partial.mkdir(parents=True)
+        (partial / "my_notes.txt").write_text("mine\n")
+        argv, message = [str(folder)], f"{partial} holds what this library did not write there (my_notes.txt; "
+    else:
+        shutil.copytree(folder, previous)
+        argv, message = [str(previous)], f"input {previous} and the output {previous} overlap"
+    before = files_of(tmp_path)
+    refused(capsys, ["local", "--root", str(root), "--source", "src", *argv, "--overwrite"], message)
+    assert files_of(tmp_path) == before and not (root / "src").exists()
+
+
 @pytest.mark.parametrize("source", ["..", ".", "../in", "sub/src", "ABSOLUTE"])
 def test_source_must_be_one_folder_name(tmp_path, inputs, capsys, source):
     """Every name points inside tmp_path, so that even a script that would delete it deletes nothing else."""
@@ -172,6 +204,7 @@ def test_a_write_killed_between_its_renames_is_recovered(tmp_path, inputs):
     tmp, previous = prep.leftovers(out)
     out.rename(previous)
     tmp.mkdir()
+    written_folder.record(tmp, prep.MARKER, ["train.00000.jsonl"])  # listed before it is written
     (tmp / "train.00000.jsonl").write_text("half\n")
     with pytest.raises(SystemExit):  # recovered, then refused without --overwrite
         run_local(tmp_path, str(folder))
