@@ -427,8 +427,9 @@ def output_folder(args: argparse.Namespace) -> Path:
                         "another --source or --root, or remove it yourself")
     foreign = written_folder.not_written(out_dir, MARKER) if out_dir.exists() else []
     if foreign:
-        raise UserError(f"{out_dir} holds files that prepare_data.py did not write ({', '.join(foreign[:3])}"
-                        f"{', ...' if len(foreign) > 3 else ''}): move them out of it, or choose another --source")
+        raise UserError(f"{out_dir} holds files that its {MARKER} does not list as written by prepare_data.py "
+                        f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): move them out of it, or "
+                        "choose another --source")
     if out_dir.exists() and not args.overwrite:
         raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
     return out_dir

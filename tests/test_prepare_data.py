@@ -2,6 +2,7 @@ import gzip
 import io
 import itertools
 import json
+import os
 import shutil
 import sys
 import tarfile
@@ -160,7 +161,8 @@ def test_overwrite_never_deletes_what_the_user_added_to_an_output(tmp_path, inpu
     (out / "tokenized").mkdir()
     before = files_of(tmp_path)
     refused(capsys, ["local", "--root", str(tmp_path / "data"), "--source", "src", str(folder), "--overwrite"],
-            f"{out} holds files that prepare_data.py did not write (my_notes.txt, tokenized)")
+            f"{out} holds files that its prepared.json does not list as written by prepare_data.py (my_notes.txt, "
+            "tokenized)")
     assert files_of(tmp_path) == before and (out / "tokenized").is_dir()
 
 
@@ -209,6 +211,46 @@ def test_a_write_killed_between_its_renames_is_recovered(tmp_path, inputs):
     with pytest.raises(SystemExit):  # recovered, then refused without --overwrite
         run_local(tmp_path, str(folder))
     assert files_of(out) == written and sorted(p.name for p in out.parent.iterdir()) == ["src"]
+
+
+class Killed(BaseException):
+    """The process dies here: no handler of the code under test runs."""
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["first_write", "overwrite"])
+def test_a_kill_at_any_moment_of_a_write_leaves_folders_the_next_run_clears(tmp_path, inputs, existing):
+    """Killed before each file-system operation of a write: the next run (--overwrite) is never refused (every
+    file a kill leaves beside or in the output is listed by its marker) and writes the same layout."""
+    folder, _ = inputs
+    operations = [(os, "mkdir"), (os, "rename"), (os, "replace"), (os, "fsync"), (os, "unlink"), (os, "rmdir")]
+    expected = read_layout(run_local(tmp_path / "reference", str(folder), "--docs-per-chunk", "3"))
+    for n in itertools.count(1):
+        root = tmp_path / f"killed_before_{n}"
+        if existing:
+            run_local(root, str(folder), "--docs-per-chunk", "5")
+        calls = [0]
+
+        def counted(operation):
+            def run(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == n:
+                    raise Killed
+                return operation(*args, **kwargs)
+            return run
+
+        with pytest.MonkeyPatch.context() as patch:
+            for module, name in operations:
+                patch.setattr(module, name, counted(getattr(module, name)))
+            try:
+                run_local(root, str(folder), "--docs-per-chunk", "3", "--overwrite")
+                finished = True
+            except Killed:
+                finished = False
+        assert read_layout(run_local(root, str(folder), "--docs-per-chunk", "3", "--overwrite")) == expected, n
+        assert sorted(p.name for p in (root / "data").iterdir()) == ["src"], n
+        if finished:
+            break
+    assert n > 10
 
 
 def test_everything_held_out_is_an_error(tmp_path):
