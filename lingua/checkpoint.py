@@ -18,6 +18,8 @@ a killed process is removed.
 
 Nothing in a checkpoint folder is unpickled without restriction (`lingua.safe_dcp`), and the app it names rebuilds
 the model only if it is one of this code's apps or the one the user named (`app=`), so opening one runs no code.
+Every file a checkpoint names (in its manifest, its DCP metadata, or by its layout) must be a regular file inside its
+folder, checked before it is opened (`lingua.files.regular_file`): else it is damaged, never read from elsewhere.
 
 `python -m lingua.checkpoint consolidate CHECKPOINT_DIR OUT.pt [app=NAME]` writes any checkpoint's weights into one
 file (the HuggingFace folder is lingua/export.py's).
@@ -55,7 +57,7 @@ from lingua import safe_dcp
 from lingua.app import App, build_model, trusted_app
 from lingua.args import UserError, at_least, from_dict
 from lingua.distributed import all_reduce, fail_together, on_rank_zero, rank_and_world
-from lingua.files import atomic_write, fsync_dir
+from lingua.files import RefusedFile, atomic_write, fsync_dir, regular_file
 from lingua.run_folder import CONSOLIDATED, RunFolder
 
 logger = logging.getLogger(__name__)
@@ -147,7 +149,9 @@ def _dcp_quietly():
 def _read_json(path: Path, keys: dict[str, type] | None = None) -> dict:
     """A JSON object with the given keys of the given types, else DamagedCheckpoint."""
     try:
-        content = json.loads(path.read_text())
+        content = json.loads(regular_file(path, inside=path.parent).read_text())
+    except RefusedFile as e:
+        raise DamagedCheckpoint(str(e)) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DamagedCheckpoint(f"{path.name}: {short_reason(e)}") from None
     wrong = not isinstance(content, dict) or any(not isinstance(content.get(k), t) for k, t in (keys or {}).items())
@@ -164,8 +168,12 @@ def verify(path: Path) -> dict:
             raise DamagedCheckpoint(f"{MANIFEST} does not hold file sizes")
         for name, size in manifest.items():
             file = path / name
-            if not file.is_file():
+            if not file.exists():
                 raise DamagedCheckpoint(f"{name} is missing")
+            try:
+                regular_file(file, inside=path)
+            except RefusedFile as e:
+                raise DamagedCheckpoint(f"{MANIFEST} names {name}: {e}") from None
             if file.stat().st_size != size:
                 raise DamagedCheckpoint(f"{name} has {file.stat().st_size} bytes, {size} were written")
     return _read_json(path / PARAMS, {"app": str, "config": dict})
@@ -387,7 +395,10 @@ class Checkpoint:
                 return latest
             if not run.finished:
                 raise UserError(f"no complete checkpoint, {CONSOLIDATED} or {PARAMS} found in {path}")
-            return run.consolidated
+            try:
+                return regular_file(run.consolidated, inside=path)
+            except RefusedFile as e:
+                raise UserError(f"run {path} is damaged: {e}") from None
         return path
 
     @classmethod
@@ -396,6 +407,10 @@ class Checkpoint:
         unreadable file."""
         if path.is_dir():
             return cls(path, verify(path), saved_shapes(path), named_app=named_app)
+        try:
+            regular_file(path)  # a FIFO would block torch.load for ever
+        except RefusedFile as e:
+            raise UserError(f"{e}: not a checkpoint") from None
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # pickle, zip and torch errors of every kind: this is not one of our files

@@ -21,14 +21,14 @@ return the model's `pooler_output`, and a model card (`README.md`). Vectors and 
   tokenizer does.
 
 Needs `transformers` (its tiktoken converter builds the tokenizer). FOLDER is new, empty or an earlier export (its
-`lingua_export.json` names the files it holds); any other folder is refused. The export is written beside it,
-flushed to disk, then renamed into its place: a reader, or a kill at any moment, sees the earlier export whole or the
-new one, never a mix (a kill between the two renames is repaired by the next export into FOLDER).
+`lingua_export.json` names the files it holds), with nothing else in it: any other folder, or an export holding files
+the user added, is refused and left untouched (`lingua.written_folder`). The export is written beside it, flushed
+to disk, then renamed into its place: a reader, or a kill at any moment, sees the earlier export whole or the new
+one, never a mix (a kill between the two renames is repaired by the next export into FOLDER).
 """
 
 import importlib.util
 import json
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,7 @@ from lingua.files import atomic_write, fsync_dir
 from lingua.masking import MaskedLMHead
 from lingua.metrics import setup_logging
 from lingua.transformer import ffn_hidden_dim, head_dim_of
+from lingua.written_folder import marker_text, not_written, remove
 
 TEMPLATE_DIR = Path(__file__).parent / "export_template"
 CODE_FILES = ("configuration_lingua.py", "modeling_lingua.py")
@@ -69,8 +70,8 @@ def export(args: ExportArgs) -> Path:
     if missing:
         raise UserError(f"export needs {', '.join(missing)}: pip install {' '.join(missing)}")
     out = Path(args.out).resolve()  # `out=.` has a name, and a link the folder it points to
-    check_replaceable(out)
     repair_interrupted(out)
+    check_replaceable(out)
     checkpoint = Checkpoint.open(args.ckpt, args.app or None)
     embedder = load_embedder(str(checkpoint.path), "cpu", args.pooling, args.max_len, args.app or None)
     params = checkpoint.params
@@ -90,8 +91,7 @@ def export(args: ExportArgs) -> Path:
         "README.md": model_card(checkpoint.path, params, embedder, pooler, config),
         "model.safetensors": safetensors_bytes(hf_state_dict(model, pooler, masked_lm)),
     }
-    files[MARKER] = json_text({"exported_by": "python -m lingua.export", "ckpt": str(checkpoint.path),
-                               "files": sorted([*files, MARKER])})
+    files[MARKER] = marker_text(files, MARKER, exported_by="python -m lingua.export", ckpt=str(checkpoint.path))
     try:
         write_folder(out, files)
     except OSError as e:
@@ -103,12 +103,17 @@ def export(args: ExportArgs) -> Path:
 
 
 def check_replaceable(out: Path) -> None:
-    """The export goes into a new or empty folder, or over an earlier export: never over files of another kind."""
+    """The export goes into a new or empty folder, or over an earlier export: never over files of another kind,
+    nor over an earlier export with files added to it."""
     if out.exists() and not out.is_dir():
         raise UserError(f"out={out} is a file, not a folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+    foreign = not_written(out, MARKER) if out.is_dir() else []
+    if foreign and not (out / MARKER).is_file():
         raise UserError(f"out={out} holds files that are not an export (no {MARKER}): export into a new or empty "
                         "folder, or over an earlier export")
+    if foreign:
+        raise UserError(f"out={out} holds files that the earlier export did not write ({', '.join(foreign[:3])}"
+                        f"{', ...' if len(foreign) > 3 else ''}): move them out of it, or export into another folder")
 
 
 def beside(out: Path) -> tuple[Path, Path]:
@@ -118,23 +123,24 @@ def beside(out: Path) -> tuple[Path, Path]:
 
 def repair_interrupted(out: Path) -> None:
     """Clears what an interrupted export (killed, or failed) left: an earlier export renamed aside goes back in
-    place when no new one took it, else it goes; a partial one goes."""
+    place when no new one took it, else it goes; a partial one goes. Only what their markers list is removed."""
     partial, previous = beside(out)
     if (previous / MARKER).is_file() and not out.exists():
         previous.rename(out)
     for folder in (partial, previous):
-        shutil.rmtree(folder, ignore_errors=True)
+        remove(folder, MARKER)
 
 
 def write_folder(out: Path, files: dict[str, str | bytes]) -> None:
-    """Writes the files into a new folder beside `out`, flushed to disk, then renames it into out's place (an
-    earlier export is renamed aside first and removed last). A failure leaves the earlier export in place."""
+    """Writes the files into a new folder beside `out`, its marker (which lists them) first, flushed to disk, then
+    renames it into out's place (an earlier export is renamed aside first and removed last). A failure leaves the
+    earlier export in place."""
     partial, previous = beside(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial.mkdir()
     try:
-        for name, data in files.items():
-            atomic_write(partial / name, data)
+        for name in sorted(files, key=lambda name: name != MARKER):
+            atomic_write(partial / name, files[name])
         fsync_dir(partial)
         if out.exists():
             out.rename(previous)

@@ -2,6 +2,7 @@
 
 import os
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -46,3 +47,25 @@ def remove_partial_writes(folder: str | Path) -> list[Path]:
     for path in partial:
         path.unlink()
     return partial
+
+
+class RefusedFile(ValueError):
+    """A file named by a checkpoint or a config that is missing, not a regular file, or outside its folder."""
+
+
+def regular_file(path: str | Path, inside: str | Path | None = None) -> Path:
+    """`path`, once it is known to be a regular file (never a FIFO or device, whose open or read can block for
+    ever) and, with `inside`, to lie within that folder, links followed; checked without opening it. Else
+    RefusedFile, one line naming the file."""
+    path = Path(path)
+    try:
+        if inside is not None and Path(inside).resolve() not in path.resolve().parents:
+            raise RefusedFile(f"{path} lies outside {Path(inside).resolve()}")
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise RefusedFile(f"{path} is missing") from None
+    except RuntimeError:  # Path.resolve: links in a loop
+        raise RefusedFile(f"{path} is a loop of links") from None
+    if not stat.S_ISREG(mode):
+        raise RefusedFile(f"{path} is not a regular file")
+    return path

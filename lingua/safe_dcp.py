@@ -3,7 +3,9 @@
 DCP pickles its `.metadata` and the non-tensor items of a state dict (the optimizer's hyper-parameters), and its
 reader unpickles both without restriction, so a crafted folder would run code when opened. Here the metadata is
 unpickled with only DCP's own record classes allowed, and every non-tensor item with `torch.load(weights_only=True)`;
-anything else is refused with an `UnpicklingError` naming what it asked for.
+anything else is refused with an `UnpicklingError` naming what it asked for. The metadata and every storage file it
+names must be regular files inside the checkpoint's folder (`lingua.files.regular_file`), checked before any is
+opened: a crafted path never reads another run's shards, nor blocks on a FIFO.
 """
 
 import io
@@ -17,7 +19,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
+
+from lingua.files import regular_file
 
 # Every global a `.metadata` written by torch 2.13 refers to (besides the dtypes).
 METADATA_GLOBALS = {
@@ -42,17 +47,27 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with the metadata unpickled by `MetadataUnpickler`."""
+    """DCP's file reader with the metadata unpickled by `MetadataUnpickler`, and its files checked."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
+        path = regular_file(self._get_metadata_path(kwargs.get("rank")), inside=self.path)
+        with self.fs.create_stream(path, "rb") as file:
             metadata = MetadataUnpickler(file).load()
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP metadata")
+        self._check_storage_files(metadata.storage_data)
         if metadata.storage_meta is None:  # what FileSystemReader.read_metadata does too
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _check_storage_files(self, storage: Any) -> None:
+        """Every file `read_data` will open (`relative_path` joined to the folder) is a regular file in it."""
+        infos = storage.values() if isinstance(storage, dict) else [storage]
+        if not all(isinstance(info, _StorageInfo) and isinstance(info.relative_path, str) for info in infos):
+            raise pickle.UnpicklingError("its storage_data does not name a file for every item")
+        for name in sorted({info.relative_path for info in infos}):
+            regular_file(self.fs.concat_path(self.path, name), inside=self.path)
 
 
 class WeightsOnlyPlanner(DefaultLoadPlanner):

@@ -18,7 +18,8 @@ downloaded when a local copy exists:
 1. `TokenizerArgs.path`, when set and the file exists;
 2. `$LINGUA_TOKENIZER_DIR/r50k_base.tiktoken` (default dir ~/.cache/lingua), written by setup/fetch_tokenizer.py;
 3. tiktoken's own `get_encoding("r50k_base")`, which downloads the file (and caches it) and checks its hash.
-A local file must match tiktoken's published sha256 for r50k_base: one that does not is refused, never skipped.
+A local file must be a regular file (a FIFO would block) and match tiktoken's published sha256 for r50k_base: one
+that does not is refused, never skipped.
 """
 
 import base64
@@ -33,6 +34,7 @@ import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
 from lingua.args import UserError, require
+from lingua.files import RefusedFile, regular_file
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +98,9 @@ class TiktokenTokenizer(_Tokenizer):
 @functools.lru_cache(maxsize=4)
 def _r50k_from_file(path: str) -> tiktoken.Encoding:
     try:
-        data = Path(path).read_bytes()
+        data = regular_file(path).read_bytes()  # a FIFO would block the read for ever
+    except RefusedFile as e:
+        raise UserError(f"tokenizer file {e}; {FETCH_HINT}") from None
     except OSError as e:
         raise UserError(f"cannot read tokenizer file {path} ({e.strerror}); {FETCH_HINT}") from e
     if sha256_of(data) != R50K_SHA256:

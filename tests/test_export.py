@@ -202,15 +202,37 @@ def test_a_folder_that_is_not_an_export_is_refused_and_left_untouched(runs, tmp_
 
 
 def test_an_export_replaces_an_earlier_one_whole(runs, tmp_path):
-    """No file of the earlier export stays (here one that the new export does not write) and nothing is left
-    beside the folder."""
+    """No file of the earlier export stays (here one that the new export does not write, listed by the earlier
+    one's marker) and nothing is left beside the folder."""
     folder = export_to(tmp_path / "hf", runs["attention"])
     (folder / "stale.bin").write_bytes(b"from an earlier export")
+    (folder / MARKER).write_text(json.dumps({"files": [*json.loads((folder / MARKER).read_text())["files"],
+                                                       "stale.bin"]}))
     export_to(folder, runs["mean"])
     listed = json.loads((folder / MARKER).read_text())["files"]
     assert sorted(files_of(folder)) == listed and "model.safetensors" in listed
     assert json.loads((folder / "config.json").read_text())["pooling"] == "mean"
     assert sorted(tmp_path.iterdir()) == [folder]
+
+
+@pytest.mark.parametrize("added", ["in_the_export", "beside_it"])
+def test_files_the_user_added_to_an_export_are_never_deleted(runs, tmp_path, capsys, added):
+    """A re-export into an earlier export holding the user's files (a results file, a fine-tuned copy) used to
+    delete them; so did any export beside a user's folder named like its partial copy. Refused in one line, and
+    nothing changes."""
+    folder = export_to(tmp_path / "hf", runs["attention"])
+    where = folder if added == "in_the_export" else beside(folder)[0]
+    (where / "finetuned").mkdir(parents=True)
+    (where / "finetuned" / "model.safetensors").write_bytes(b"weights of mine")
+    (where / "my_results.txt").write_text("0.93\n")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit) as exit_info:
+        main([f"ckpt={runs['mean']}", f"out={folder}"])
+    err = capsys.readouterr().err
+    message = (f"out={folder} holds files that the earlier export did not write (finetuned, my_results.txt)"
+               if added == "in_the_export" else f"{where} holds what this library did not write there")
+    assert exit_info.value.code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 def fail_on_weights(monkeypatch) -> None:
@@ -244,6 +266,7 @@ def test_an_export_killed_between_its_renames_is_repaired_by_the_next(runs, tmp_
     partial, previous = beside(folder)
     folder.rename(previous)
     partial.mkdir()
+    (partial / MARKER).write_text(json.dumps({"files": [MARKER, "config.json"]}))  # written first
     (partial / "config.json").write_text("{}")
     fail_on_weights(monkeypatch)
     with pytest.raises(UserError, match="cannot write"):

@@ -2,6 +2,8 @@ import gzip
 import io
 import itertools
 import json
+import os
+import shutil
 import sys
 import tarfile
 import types
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import load_setup_script
 
+from lingua import written_folder
 from lingua.args import UserError
 
 prep = load_setup_script("prepare_data")
@@ -116,12 +119,12 @@ def test_bad_inputs_exit_with_one_line_error(tmp_path, capsys, setup, message):
 
 def test_existing_output_needs_overwrite(tmp_path, inputs):
     folder, _ = inputs
-    out = run_local(tmp_path, str(folder))
+    out = run_local(tmp_path, str(folder), "--docs-per-chunk", "1")
     with pytest.raises(SystemExit):
         run_local(tmp_path, str(folder))
-    (out / "train.00099.jsonl").write_text("stale\n")
-    run_local(tmp_path, str(folder), "--overwrite")
-    assert not (out / "train.00099.jsonl").exists()
+    run_local(tmp_path, str(folder), "--overwrite")  # fewer chunks: the earlier ones beyond them go too
+    assert sorted(p.name for p in out.iterdir()) == ["prepared.json", "train.00000.jsonl", "valid.jsonl"]
+    assert json.loads((out / "prepared.json").read_text())["files"] == sorted(p.name for p in out.iterdir())
     assert [p.name for p in out.parent.iterdir()] == ["src"]  # no temporary folder left behind
 
 
@@ -151,6 +154,37 @@ def test_overwrite_replaces_only_what_prepare_data_wrote(tmp_path, inputs, capsy
     assert files_of(tmp_path) == {**before, "notes/README.md": b"mine\n"}
 
 
+def test_overwrite_never_deletes_what_the_user_added_to_an_output(tmp_path, inputs, capsys):
+    folder, _ = inputs
+    out = run_local(tmp_path, str(folder))
+    (out / "my_notes.txt").write_text("mine\n")
+    (out / "tokenized").mkdir()
+    before = files_of(tmp_path)
+    refused(capsys, ["local", "--root", str(tmp_path / "data"), "--source", "src", str(folder), "--overwrite"],
+            f"{out} holds files that its prepared.json does not list as written by prepare_data.py (my_notes.txt, "
+            "tokenized)")
+    assert files_of(tmp_path) == before and (out / "tokenized").is_dir()
+
+
+@pytest.mark.parametrize("leftover", ["partial", "previous"])
+def test_a_folder_beside_the_output_that_the_script_did_not_write_is_kept(tmp_path, inputs, capsys, leftover):
+    """ROOT/.src.partial and ROOT/.src.previous are the folders a write keeps beside ROOT/src: a user's folder of
+    that name (a partial one), or an input there (a previous one), used to be deleted before the write."""
+    folder, _ = inputs
+    root = tmp_path / "data"
+    partial, previous = prep.leftovers(root / "src")
+    if leftover == "partial":
+        partial.mkdir(parents=True)
+        (partial / "my_notes.txt").write_text("mine\n")
+        argv, message = [str(folder)], f"{partial} holds what this library did not write there (my_notes.txt; "
+    else:
+        shutil.copytree(folder, previous)
+        argv, message = [str(previous)], f"input {previous} and the output {previous} overlap"
+    before = files_of(tmp_path)
+    refused(capsys, ["local", "--root", str(root), "--source", "src", *argv, "--overwrite"], message)
+    assert files_of(tmp_path) == before and not (root / "src").exists()
+
+
 @pytest.mark.parametrize("source", ["..", ".", "../in", "sub/src", "ABSOLUTE"])
 def test_source_must_be_one_folder_name(tmp_path, inputs, capsys, source):
     """Every name points inside tmp_path, so that even a script that would delete it deletes nothing else."""
@@ -172,10 +206,51 @@ def test_a_write_killed_between_its_renames_is_recovered(tmp_path, inputs):
     tmp, previous = prep.leftovers(out)
     out.rename(previous)
     tmp.mkdir()
+    written_folder.record(tmp, prep.MARKER, ["train.00000.jsonl"])  # listed before it is written
     (tmp / "train.00000.jsonl").write_text("half\n")
     with pytest.raises(SystemExit):  # recovered, then refused without --overwrite
         run_local(tmp_path, str(folder))
     assert files_of(out) == written and sorted(p.name for p in out.parent.iterdir()) == ["src"]
+
+
+class Killed(BaseException):
+    """The process dies here: no handler of the code under test runs."""
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["first_write", "overwrite"])
+def test_a_kill_at_any_moment_of_a_write_leaves_folders_the_next_run_clears(tmp_path, inputs, existing):
+    """Killed before each file-system operation of a write: the next run (--overwrite) is never refused (every
+    file a kill leaves beside or in the output is listed by its marker) and writes the same layout."""
+    folder, _ = inputs
+    operations = [(os, "mkdir"), (os, "rename"), (os, "replace"), (os, "fsync"), (os, "unlink"), (os, "rmdir")]
+    expected = read_layout(run_local(tmp_path / "reference", str(folder), "--docs-per-chunk", "3"))
+    for n in itertools.count(1):
+        root = tmp_path / f"killed_before_{n}"
+        if existing:
+            run_local(root, str(folder), "--docs-per-chunk", "5")
+        calls = [0]
+
+        def counted(operation):
+            def run(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == n:
+                    raise Killed
+                return operation(*args, **kwargs)
+            return run
+
+        with pytest.MonkeyPatch.context() as patch:
+            for module, name in operations:
+                patch.setattr(module, name, counted(getattr(module, name)))
+            try:
+                run_local(root, str(folder), "--docs-per-chunk", "3", "--overwrite")
+                finished = True
+            except Killed:
+                finished = False
+        assert read_layout(run_local(root, str(folder), "--docs-per-chunk", "3", "--overwrite")) == expected, n
+        assert sorted(p.name for p in (root / "data").iterdir()) == ["src"], n
+        if finished:
+            break
+    assert n > 10
 
 
 def test_everything_held_out_is_an_error(tmp_path):

@@ -1,6 +1,8 @@
 import io
+import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import urllib.request
 from pathlib import Path
@@ -8,10 +10,11 @@ from pathlib import Path
 import pytest
 import requests
 import tiktoken
-from conftest import load_setup_script
+from conftest import load_setup_script, run_to_the_end, tiny_argv, write_corpus
 
 from lingua.args import UserError
 from lingua.tokenizer import (
+    FETCH_HINT,
     R50K_FILENAME,
     TokenizerArgs,
     build_tokenizer,
@@ -85,6 +88,17 @@ def test_missing_file_is_a_user_error(tmp_path, no_network, monkeypatch):
         build_tokenizer(TokenizerArgs(path=str(tmp_path / "absent.tiktoken")))
     with pytest.raises(UserError, match="not at .*fetch_tokenizer"):
         build_tokenizer(TokenizerArgs())
+
+
+def test_a_tokenizer_path_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    """Training with data.tokenizer.path naming a FIFO: one line, at once (it used to wait for a writer for ever;
+    here a hang fails the test at the timeout)."""
+    os.mkfifo(tmp_path / "pipe")
+    argv = [*tiny_argv(write_corpus(tmp_path / "data"), tmp_path / "run", steps=1), "data.tokenizer.name=gpt2",
+            f"data.tokenizer.path={tmp_path / 'pipe'}"]
+    done = run_to_the_end([sys.executable, "-m", "apps.bert.train", *argv], timeout=120)
+    assert done.returncode == 2 and done.stderr == f"error: tokenizer file {tmp_path / 'pipe'} is not a regular " \
+        f"file; {FETCH_HINT}\n", done.stderr[-2000:]
 
 
 def test_a_stored_path_absent_here_finds_the_file_by_its_checksum(r50k_file, no_network, tmp_path, monkeypatch):
