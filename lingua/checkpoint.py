@@ -112,7 +112,16 @@ def _not_none(annotation) -> type:
 
 
 class DamagedCheckpoint(Exception):
-    """A checkpoint with a missing, truncated or unreadable file."""
+    """A checkpoint proven damaged: a file missing or of the wrong size, content that does not parse or is not what
+    was saved. An I/O error while reading proves nothing (it may pass): it is raised as the OSError it is."""
+
+
+def read_error(error: BaseException) -> OSError | None:
+    """The I/O error behind a failed read (DCP wraps each rank's in a CheckpointException), unless it is a missing
+    file, which is damage; None if there is none."""
+    if isinstance(error, CheckpointException):
+        return next(filter(None, (read_error(failure) for failure, _ in error.failures.values())), None)
+    return error if isinstance(error, OSError) and not isinstance(error, FileNotFoundError) else None
 
 
 def parameters_finite(model: nn.Module, optimizer=None) -> bool:
@@ -147,7 +156,7 @@ def _read_json(path: Path, keys: dict[str, type] | None = None) -> dict:
     """A JSON object with the given keys of the given types, else DamagedCheckpoint."""
     try:
         content = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DamagedCheckpoint(f"{path.name}: {short_reason(e)}") from None
     wrong = not isinstance(content, dict) or any(not isinstance(content.get(k), t) for k, t in (keys or {}).items())
     if wrong:
@@ -175,6 +184,8 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     try:
         metadata = safe_dcp.read_metadata(path).state_dict_metadata
     except (Exception, CheckpointException) as e:
+        if (unread := read_error(e)) is not None:
+            raise unread from None
         raise DamagedCheckpoint(f".metadata: {short_reason(e)}") from None
     return {k.removeprefix("model."): tuple(v.size) for k, v in metadata.items()
             if k.startswith("model.") and hasattr(v, "size")}
@@ -369,6 +380,8 @@ class Checkpoint:
             return cls.read(path)
         except DamagedCheckpoint as e:
             raise UserError(f"checkpoint {path} is damaged: {e}") from None
+        except OSError as e:
+            raise UserError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
 
     @staticmethod
     def resolve(path: str | Path) -> Path:
@@ -389,7 +402,7 @@ class Checkpoint:
     @classmethod
     def read(cls, path: Path) -> "Checkpoint":
         """A checkpoint folder or a consolidated file; DamagedCheckpoint for a folder with a missing, truncated or
-        unreadable file."""
+        unparsable file, OSError for a file that could not be read."""
         if path.is_dir():
             return cls(path, verify(path), saved_shapes(path))
         try:
@@ -425,7 +438,8 @@ class Checkpoint:
 
     def load_training(self, model: nn.Module, optimizer) -> list[dict]:
         """Model and optimizer in place, to resume training (on any world size: DCP reshards); the train state of
-        every rank that saved the checkpoint. DamagedCheckpoint if it cannot. Called by every rank."""
+        every rank that saved the checkpoint. DamagedCheckpoint if it is damaged, OSError if a file could not be read
+        (`read_error`). Called by every rank."""
         if self._weights is not None:
             raise UserError(f"{self.path} holds weights only (no optimizer state): it cannot be resumed")
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -434,6 +448,8 @@ class Checkpoint:
             with _dcp_quietly():
                 safe_dcp.load(state, self.path)
         except (Exception, CheckpointException) as e:
+            if (unread := read_error(e)) is not None:
+                raise unread from None
             raise DamagedCheckpoint(short_reason(e)) from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if not parameters_finite(model, optimizer):  # bytes corrupted in place (the size is right)
