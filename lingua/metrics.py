@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from lingua.args import at_least, require
+from lingua.args import UserError, at_least, require
 from lingua.distributed import all_reduce, rank_and_world
-from lingua.files import atomic_write
+from lingua.files import atomic_write, open_appending, refuse_link
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +50,36 @@ def peak_flops(args: LoggingArgs, device: torch.device) -> float | None:
 
 def setup_logging(log_file: Path | None = None, rank: int = 0) -> None:
     """Progress on stdout (and in the run's log file); replaces handlers a previous run in this process added.
-    Ranks other than 0 print only their warnings and errors, tagged with their rank, and write no file."""
+    Ranks other than 0 print only their warnings and errors, tagged with their rank, and write no file. A link at
+    the log file's path is refused in one line, never followed."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
         handler.close()
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
     if log_file is not None and rank == 0:
-        handlers.append(logging.FileHandler(log_file))
+        try:
+            handlers.append(RunLogHandler(log_file))
+        except OSError as e:
+            raise UserError(f"cannot write {log_file}: {e.strerror}") from None
     tag = f"[rank {rank}] " if rank else ""
     fmt = logging.Formatter(f"%(asctime)s %(levelname).1s {tag}%(message)s", datefmt="%H:%M:%S")
     for handler in handlers:
         handler.setFormatter(fmt)
         root.addHandler(handler)
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+class RunLogHandler(logging.StreamHandler):
+    """Appends to a run's log file, opened never through a link."""
+
+    def __init__(self, path: Path):
+        super().__init__(open_appending(path))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.stream.close()
+        super().close()
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -75,19 +91,24 @@ def peak_memory_gib(device: torch.device) -> float:
 class MetricLogger:
     """Appends records to metrics.jsonl. On resume, drops the records past the resumed step, which the resumed run
     will write again, so the file always describes one consistent run; that rewrite is atomic, so a kill during it
-    leaves the old file whole. Only rank 0 writes (`enabled`); the records it gets are already reduced over ranks."""
+    leaves the old file whole. Only rank 0 writes (`enabled`); the records it gets are already reduced over ranks.
+    A link at `path` is refused in one line before anything is read or written."""
 
     def __init__(self, path: Path, resume_step: int, args: LoggingArgs, config: dict[str, Any], enabled: bool = True):
         self.path, self.file, self.wandb = path, None, None
         self.failure: str | None = None  # why a record could not be written: the loop stops every rank with it
         if not enabled:
             return
-        if path.exists():
-            # a line torn by a kill, or that is not a record, is dropped with the rest past the checkpoint
-            lines = path.read_text(errors="replace").splitlines()
-            kept = [line for line in lines if _step_of(line, default=resume_step + 1) <= resume_step]
-            atomic_write(path, "".join(line + "\n" for line in kept))
-        self.file = path.open("a")
+        try:
+            refuse_link(path)
+            if path.exists():
+                # a line torn by a kill, or that is not a record, is dropped with the rest past the checkpoint
+                lines = path.read_text(errors="replace").splitlines()
+                kept = [line for line in lines if _step_of(line, default=resume_step + 1) <= resume_step]
+                atomic_write(path, "".join(line + "\n" for line in kept))
+            self.file = open_appending(path)
+        except OSError as e:
+            raise UserError(f"cannot write {path}: {e.strerror}") from None
         if args.wandb_project:
             import wandb
 

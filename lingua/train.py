@@ -138,7 +138,7 @@ def train(app: App, config) -> dict[str, Any]:
             run = RunFolder(Path(config.dump_dir))
             on_rank_zero(lambda: _make_folder(run.root))
             with RunLock(run.root):
-                setup_logging(run.log, launch.rank)
+                on_every_rank(lambda: setup_logging(run.log, launch.rank))
                 return Trainer(app, config, start, run, device, launch, activity).fit()
         except RuntimeError as e:
             kind = collective_failure(e)
@@ -240,12 +240,12 @@ class Trainer:
         with (
             on_every_rank(lambda: ReadAhead(self.app.data.build_loader(config.data, self.tokenizer, self.launch.rank,
                                                                        self.launch.world_size, state.data))) as loader,
-            MetricLogger(self.run.metrics, step, config.logging, self.params["config"],
-                         self.launch.rank == 0) as metrics,
+            on_every_rank(lambda: MetricLogger(self.run.metrics, step, config.logging, self.params["config"],
+                                               self.launch.rank == 0)) as metrics,
             StopSignal(config.lifecycle.stop_signal, config.distributed.timeout_minutes) as stop,
         ):
-            if self.launch.rank == 0 and step < config.steps:
-                dump_config(config, self.run.config)  # the start has succeeded: the run's config now
+            if step < config.steps:  # the start has succeeded: the run's config now
+                on_rank_zero(lambda: self._write(self.run.config, lambda path: dump_config(config, path)))
             activity.now = f"the agreement before step {step + 1}"
             stopping = step < config.steps and agree(stop, loader.prepare(config.grad_acc_steps))
             if state.evaluation_skipped and not stopping:  # the stop that saved this checkpoint skipped it
@@ -335,20 +335,21 @@ class Trainer:
         if self.state.best is None or record[key] > self.state.best[key]:
             self.state.best = record
             save_consolidated(self.model, self.params, self.run.best_weights)
-            on_rank_zero(lambda: _write_json(self.run.best_record, record))
+            on_rank_zero(lambda: self._write(self.run.best_record, lambda path: atomic_write(
+                path, json.dumps(record, indent=1) + "\n")))
+
+    def _write(self, path: Path, write) -> None:
+        """Rank 0: `write(path)` into the run folder; a failure (a link there, a full disk) is one line."""
+        try:
+            write(path)
+        except OSError as e:
+            raise UserError(f"cannot write {path}: {e.strerror}") from None
 
     def _save(self, step: int, loader: ReadAhead, stopping: bool) -> None:
         self.guard.check_before_save(self.model, step)  # a non-finite state never becomes a checkpoint
         self.state.step, self.state.data, self.state.evaluation_skipped = step, loader.state_dict(), stopping
         self.state.generator = self.generator.get_state().tolist()
         self.checkpoints.save(step, self.model, self.optimizer, self.state.state_dict(), self.params)
-
-
-def _write_json(path: Path, value: dict) -> None:
-    try:
-        atomic_write(path, json.dumps(value, indent=1) + "\n")
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror}") from None
 
 
 def check_batch_shape(model, row_shape: tuple[int, ...], device: torch.device) -> None:
