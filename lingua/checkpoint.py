@@ -54,7 +54,7 @@ from lingua import safe_dcp
 from lingua.app import build_model, load_app
 from lingua.args import UserError, at_least, from_dict
 from lingua.distributed import all_reduce, fail_together, on_rank_zero, rank_and_world
-from lingua.files import atomic_write, fsync_dir
+from lingua.files import Fence, atomic_write, fsync_dir, unfenced
 from lingua.run_folder import CONSOLIDATED, RunFolder
 
 logger = logging.getLogger(__name__)
@@ -192,8 +192,11 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 class CheckpointManager:
-    def __init__(self, folder: str | Path, args: CheckpointArgs):
-        self.folder, self.args = Path(folder), args
+    """A run's checkpoints folder. `fence` (the run lease's, lingua.files.Fence) is checked by rank 0 right before
+    each stage of a save: a process whose lease was taken over writes no checkpoint."""
+
+    def __init__(self, folder: str | Path, args: CheckpointArgs, fence: Fence = unfenced):
+        self.folder, self.args, self.fence = Path(folder), args, fence
 
     def complete_checkpoints(self) -> list[Path]:
         if not self.folder.is_dir():
@@ -260,15 +263,17 @@ class CheckpointManager:
         return final
 
     def _stage(self, final: Path, tmp: Path, write) -> None:
-        failure = None
-        try:
-            write()
-        except (Exception, CheckpointException) as e:
-            failure = f"could not save checkpoint {final}: {self._save_failure(e)}; the previous checkpoint is kept"
+        rank = rank_and_world()[0]
+        failure = self.fence() if rank == 0 else None
+        if failure is None:
+            try:
+                write()
+            except (Exception, CheckpointException) as e:
+                failure = f"could not save checkpoint {final}: {self._save_failure(e)}; the previous checkpoint is kept"
         try:
             fail_together(failure)
         except UserError:
-            if rank_and_world()[0] == 0:
+            if rank == 0 and self.fence() is None:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
 
@@ -321,13 +326,17 @@ class CheckpointManager:
             logger.warning(f"could not delete an old checkpoint ({e.strerror}: {e.filename}): it is left in place")
 
 
-def save_consolidated(model: nn.Module, params: dict, path: str | Path) -> Path:
-    """All weights in one file (gathered from every rank), with the app and config that rebuild the model."""
+def save_consolidated(model: nn.Module, params: dict, path: str | Path, fence: Fence = unfenced) -> Path:
+    """All weights in one file (gathered from every rank), with the app and config that rebuild the model; written
+    by rank 0 once `fence` has said it still may."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=options)
     path = Path(path)
 
     def write() -> None:
+        lost = fence()
+        if lost is not None:
+            raise UserError(lost)
         try:
             atomic_write(path, lambda file: torch.save({**params, "model": weights}, file))
         except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError

@@ -12,6 +12,14 @@ from typing import BinaryIO, TextIO
 
 PARTIAL_WRITE = re.compile(r"\.tmp\d+$")  # what atomic_write leaves when killed before its rename
 
+Fence = Callable[[], "str | None"]  # why this process may no longer write into its run folder (its run lease was
+# taken over: lingua.lifecycle.RunLock.lost), checked right before each write; None while it may
+
+
+def unfenced() -> None:
+    """The fence of a writer that holds no run lease (a tool, a test): it may always write."""
+    return None
+
 
 class LinkRefused(OSError):
     """A symbolic link (or, for an appended file, anything but a regular file) where the library writes a file."""
