@@ -57,7 +57,7 @@ from lingua import safe_dcp
 from lingua.app import App, build_model, trusted_app
 from lingua.args import UserError, at_least, from_dict
 from lingua.distributed import all_reduce, fail_together, on_rank_zero, rank_and_world
-from lingua.files import RefusedFile, atomic_write, fsync_dir, regular_file
+from lingua.files import Fence, RefusedFile, atomic_write, fsync_dir, regular_file, unfenced
 from lingua.run_folder import CONSOLIDATED, RunFolder
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,16 @@ def _not_none(annotation) -> type:
 
 
 class DamagedCheckpoint(Exception):
-    """A checkpoint with a missing, truncated or unreadable file."""
+    """A checkpoint proven damaged: a file missing or of the wrong size, content that does not parse or is not what
+    was saved. An I/O error while reading proves nothing (it may pass): it is raised as the OSError it is."""
+
+
+def read_error(error: BaseException) -> OSError | None:
+    """The I/O error behind a failed read (DCP wraps each rank's in a CheckpointException), unless it is a missing
+    file, which is damage; None if there is none."""
+    if isinstance(error, CheckpointException):
+        return next(filter(None, (read_error(failure) for failure, _ in error.failures.values())), None)
+    return error if isinstance(error, OSError) and not isinstance(error, FileNotFoundError) else None
 
 
 def parameters_finite(model: nn.Module, optimizer=None) -> bool:
@@ -152,7 +161,7 @@ def _read_json(path: Path, keys: dict[str, type] | None = None) -> dict:
         content = json.loads(regular_file(path, inside=path.parent).read_text())
     except RefusedFile as e:
         raise DamagedCheckpoint(str(e)) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DamagedCheckpoint(f"{path.name}: {short_reason(e)}") from None
     wrong = not isinstance(content, dict) or any(not isinstance(content.get(k), t) for k, t in (keys or {}).items())
     if wrong:
@@ -184,14 +193,19 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     try:
         metadata = safe_dcp.read_metadata(path).state_dict_metadata
     except (Exception, CheckpointException) as e:
+        if (unread := read_error(e)) is not None:
+            raise unread from None
         raise DamagedCheckpoint(f".metadata: {short_reason(e)}") from None
     return {k.removeprefix("model."): tuple(v.size) for k, v in metadata.items()
             if k.startswith("model.") and hasattr(v, "size")}
 
 
 class CheckpointManager:
-    def __init__(self, folder: str | Path, args: CheckpointArgs):
-        self.folder, self.args = Path(folder), args
+    """A run's checkpoints folder. `fence` (the run lease's, lingua.files.Fence) is checked by rank 0 right before
+    each stage of a save: a process whose lease was taken over writes no checkpoint."""
+
+    def __init__(self, folder: str | Path, args: CheckpointArgs, fence: Fence = unfenced):
+        self.folder, self.args, self.fence = Path(folder), args, fence
 
     def complete_checkpoints(self) -> list[Path]:
         if not self.folder.is_dir():
@@ -258,15 +272,17 @@ class CheckpointManager:
         return final
 
     def _stage(self, final: Path, tmp: Path, write) -> None:
-        failure = None
-        try:
-            write()
-        except (Exception, CheckpointException) as e:
-            failure = f"could not save checkpoint {final}: {self._save_failure(e)}; the previous checkpoint is kept"
+        rank = rank_and_world()[0]
+        failure = self.fence() if rank == 0 else None
+        if failure is None:
+            try:
+                write()
+            except (Exception, CheckpointException) as e:
+                failure = f"could not save checkpoint {final}: {self._save_failure(e)}; the previous checkpoint is kept"
         try:
             fail_together(failure)
         except UserError:
-            if rank_and_world()[0] == 0:
+            if rank == 0 and self.fence() is None:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
 
@@ -319,13 +335,17 @@ class CheckpointManager:
             logger.warning(f"could not delete an old checkpoint ({e.strerror}: {e.filename}): it is left in place")
 
 
-def save_consolidated(model: nn.Module, params: dict, path: str | Path) -> Path:
-    """All weights in one file (gathered from every rank), with the app and config that rebuild the model."""
+def save_consolidated(model: nn.Module, params: dict, path: str | Path, fence: Fence = unfenced) -> Path:
+    """All weights in one file (gathered from every rank), with the app and config that rebuild the model; written
+    by rank 0 once `fence` has said it still may."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=options)
     path = Path(path)
 
     def write() -> None:
+        lost = fence()
+        if lost is not None:
+            raise UserError(lost)
         try:
             atomic_write(path, lambda file: torch.save({**params, "model": weights}, file))
         except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
@@ -381,6 +401,8 @@ class Checkpoint:
             return cls.read(path, app)
         except DamagedCheckpoint as e:
             raise UserError(f"checkpoint {path} is damaged: {e}") from None
+        except OSError as e:
+            raise UserError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
 
     @staticmethod
     def resolve(path: str | Path) -> Path:
@@ -404,7 +426,7 @@ class Checkpoint:
     @classmethod
     def read(cls, path: Path, named_app: str | None = None) -> "Checkpoint":
         """A checkpoint folder or a consolidated file; DamagedCheckpoint for a folder with a missing, truncated or
-        unreadable file."""
+        unparsable file, OSError for a file that could not be read."""
         if path.is_dir():
             return cls(path, verify(path), saved_shapes(path), named_app=named_app)
         try:
@@ -445,7 +467,8 @@ class Checkpoint:
 
     def load_training(self, model: nn.Module, optimizer) -> list[dict]:
         """Model and optimizer in place, to resume training (on any world size: DCP reshards); the train state of
-        every rank that saved the checkpoint. DamagedCheckpoint if it cannot. Called by every rank."""
+        every rank that saved the checkpoint. DamagedCheckpoint if it is damaged, OSError if a file could not be read
+        (`read_error`). Called by every rank."""
         if self._weights is not None:
             raise UserError(f"{self.path} holds weights only (no optimizer state): it cannot be resumed")
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -454,6 +477,8 @@ class Checkpoint:
             with _dcp_quietly():
                 safe_dcp.load(state, self.path)
         except (Exception, CheckpointException) as e:
+            if (unread := read_error(e)) is not None:
+                raise unread from None
             raise DamagedCheckpoint(short_reason(e)) from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if not parameters_finite(model, optimizer):  # bytes corrupted in place (the size is right)

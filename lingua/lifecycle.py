@@ -273,6 +273,11 @@ class RunLock:
     lease, to take it over or at the end of its own run, only under the lease's claim: DUMP_DIR/.lock.claim-INODE,
     created exclusively, under which it checks that the lease is still the one it judged. Of two processes racing
     for a stale lease, one removes it and creates its own; the other finds that one live and is refused.
+
+    A holder that stalled (stopped, swapped out, cut off) past `stale_after_s` may find its lease taken over when
+    it resumes. So every write into the run folder is fenced: right before it, `lost` checks that the lease is
+    still this process's own, the same file and text (an inode alone may be reused); once it is not, the process
+    writes nothing more there and the loop stops every rank with that reason.
     """
 
     def __init__(self, dump_dir: Path, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
@@ -282,6 +287,7 @@ class RunLock:
         self.lease: Lease | None = None
         self.released = threading.Event()
         self.renewer: threading.Thread | None = None
+        self.taken_over: str | None = None  # once lost, the lease stays lost
 
     def __enter__(self):
         try:
@@ -334,6 +340,22 @@ class RunLock:
         self.descriptor, self.lease = descriptor, Lease.parse(os.fstat(descriptor), text)
         return True
 
+    def lost(self) -> str | None:
+        """The fence (lingua.files.Fence): why this process may no longer write into the run folder, its lease being
+        gone or another's; None while it holds the lease, and on the ranks that hold none (rank 0 holds it for all)."""
+        if self.taken_over is None and self.lease is not None:
+            try:
+                current = Lease.read(self.path)
+            except UserError as e:  # not this process's lease (a link, a folder), or it cannot be read
+                self.taken_over = f"{e}: this process cannot tell that it still holds {self.path.parent}, so it " \
+                                  "stops without writing there again"
+                return self.taken_over
+            if current is None or (current.inode, current.text) != (self.lease.inode, self.lease.text):
+                self.taken_over = (f"the run lease {self.path} was taken over by another process (this one did not "
+                                   f"renew it for {self.stale_after_s:.0f} s): it stops without writing to "
+                                   f"{self.path.parent} again")
+        return self.taken_over
+
     def _claim_path(self, lease: Lease) -> Path:
         return self.path.with_name(f"{self.path.name}.claim-{lease.inode}")
 
@@ -377,23 +399,16 @@ class RunLock:
 
     def _renew(self) -> None:
         """The heartbeat: sets the lease's mtime to now every `heartbeat_s`. If the lease was taken over (this
-        process stalled for `stale_after_s`), says so once and stops."""
+        process stalled for `stale_after_s`), says so once (on stdout: the log file is another run's now) and stops."""
         while not self.released.wait(self.heartbeat_s):
+            if self.lost() is not None:
+                logger.error(self.taken_over)
+                return
             try:
-                ours = os.lstat(self.path).st_ino == self.lease.inode
-                if ours:
-                    os.utime(self.descriptor)
-            except FileNotFoundError:
-                ours = False
+                os.utime(self.descriptor)
             except OSError as e:
                 logger.warning(f"cannot renew the run lease {self.path} ({e.strerror}): trying again in "
                                f"{self.heartbeat_s:.0f} s")
-                continue
-            if not ours:
-                logger.error(f"the run lease {self.path} was taken over by another process (this one did not renew "
-                             f"it for {self.stale_after_s:.0f} s): another training may be writing to "
-                             f"{self.path.parent}")
-                return
 
     def _release(self) -> None:
         """Stops the heartbeat and removes the lease if it is still this process's."""
@@ -402,6 +417,10 @@ class RunLock:
         self.released.set()
         if self.renewer is not None:
             self.renewer.join()
+        if self.lost() is not None:  # its folder is another process's now: not even a claim is created there
+            os.close(self.descriptor)
+            self.descriptor = self.lease = None
+            return
         try:
             own = dataclasses.replace(self.lease, renewed_ns=os.fstat(self.descriptor).st_mtime_ns)
             with self._claim(own) as claimed:

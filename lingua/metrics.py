@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from lingua.args import at_least, require
+from lingua.args import UserError, at_least, require
 from lingua.distributed import all_reduce, rank_and_world
-from lingua.files import atomic_write
+from lingua.files import Fence, atomic_write, open_appending, refuse_link, unfenced
 
 logger = logging.getLogger(__name__)
 
@@ -48,22 +48,45 @@ def peak_flops(args: LoggingArgs, device: torch.device) -> float | None:
     return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS if key in name), None)
 
 
-def setup_logging(log_file: Path | None = None, rank: int = 0) -> None:
+def setup_logging(log_file: Path | None = None, rank: int = 0, fence: Fence = unfenced) -> None:
     """Progress on stdout (and in the run's log file); replaces handlers a previous run in this process added.
-    Ranks other than 0 print only their warnings and errors, tagged with their rank, and write no file."""
+    Ranks other than 0 print only their warnings and errors, tagged with their rank, and write no file. The log file
+    is never opened through a link (LinkRefused); once `fence` says this process no longer holds the run, nothing
+    more is written to it."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
         handler.close()
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
     if log_file is not None and rank == 0:
-        handlers.append(logging.FileHandler(log_file))
+        try:
+            handlers.append(RunLogHandler(log_file, fence))
+        except OSError as e:
+            raise UserError(f"cannot write {log_file}: {e.strerror}") from None
     tag = f"[rank {rank}] " if rank else ""
     fmt = logging.Formatter(f"%(asctime)s %(levelname).1s {tag}%(message)s", datefmt="%H:%M:%S")
     for handler in handlers:
         handler.setFormatter(fmt)
         root.addHandler(handler)
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+class RunLogHandler(logging.StreamHandler):
+    """Appends to a run's log file, opened never through a link; drops every record once `fence` reports the run's
+    lease lost (another process now writes that file)."""
+
+    def __init__(self, path: Path, fence: Fence):
+        super().__init__(open_appending(path))
+        self.fence = fence
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.fence() is None:
+            super().emit(record)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.stream.close()
+        super().close()
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -75,19 +98,26 @@ def peak_memory_gib(device: torch.device) -> float:
 class MetricLogger:
     """Appends records to metrics.jsonl. On resume, drops the records past the resumed step, which the resumed run
     will write again, so the file always describes one consistent run; that rewrite is atomic, so a kill during it
-    leaves the old file whole. Only rank 0 writes (`enabled`); the records it gets are already reduced over ranks."""
+    leaves the old file whole. Only rank 0 writes (`enabled`); the records it gets are already reduced over ranks.
+    A link at `path` is refused (LinkRefused) before anything is read or written; once `fence` reports the run's
+    lease lost, no record is written and the loop stops with that reason."""
 
-    def __init__(self, path: Path, resume_step: int, args: LoggingArgs, config: dict[str, Any], enabled: bool = True):
-        self.path, self.file, self.wandb = path, None, None
+    def __init__(self, path: Path, resume_step: int, args: LoggingArgs, config: dict[str, Any], enabled: bool = True,
+                 fence: Fence = unfenced):
+        self.path, self.file, self.wandb, self.fence = path, None, None, fence
         self.failure: str | None = None  # why a record could not be written: the loop stops every rank with it
         if not enabled:
             return
-        if path.exists():
-            # a line torn by a kill, or that is not a record, is dropped with the rest past the checkpoint
-            lines = path.read_text(errors="replace").splitlines()
-            kept = [line for line in lines if _step_of(line, default=resume_step + 1) <= resume_step]
-            atomic_write(path, "".join(line + "\n" for line in kept))
-        self.file = path.open("a")
+        try:
+            refuse_link(path)
+            if path.exists():
+                # a line torn by a kill, or that is not a record, is dropped with the rest past the checkpoint
+                lines = path.read_text(errors="replace").splitlines()
+                kept = [line for line in lines if _step_of(line, default=resume_step + 1) <= resume_step]
+                atomic_write(path, "".join(line + "\n" for line in kept))
+            self.file = open_appending(path)
+        except OSError as e:
+            raise UserError(f"cannot write {path}: {e.strerror}") from None
         if args.wandb_project:
             import wandb
 
@@ -95,6 +125,9 @@ class MetricLogger:
 
     def log(self, record: dict[str, Any]) -> None:
         if self.file is None or self.failure is not None:
+            return
+        self.failure = self.fence()
+        if self.failure is not None:
             return
         try:
             self.file.write(json.dumps(record) + "\n")

@@ -3,6 +3,8 @@ a run in an existing dump_dir continues from, what is refused (another app, anot
 reported (changed settings)."""
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +17,9 @@ from lingua.run_folder import RunFolder
 from lingua.transformer import architecture_fields
 
 logger = logging.getLogger(__name__)
+
+READ_ATTEMPTS = 4  # an I/O error while reading a checkpoint (a network file system's hiccup) is tried again,
+RETRY_DELAY_S = 2.0  # after this, then twice as long each time; then the run stops, every checkpoint kept
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ def resumed_config(dump_dir: Path) -> dict | None:
     pickle is read); None for a new run."""
     for path in reversed(CheckpointManager(RunFolder(dump_dir).checkpoints, CheckpointArgs()).complete_checkpoints()):
         try:
-            return verify(path)["config"]
+            return retrying_reads(lambda: verify(path), path)["config"]
         except DamagedCheckpoint:
             continue  # resume() sets it aside and tries the one before it
     return None
@@ -54,11 +59,14 @@ def resumed_config(dump_dir: Path) -> dict | None:
 def resume(checkpoints: CheckpointManager, model, optimizer, app: App, config, launch: Launch) -> dict | None:
     """Loads the newest checkpoint that loads and returns this rank's train state; None for a new run.
 
-    Rank 0 picks the checkpoint and every rank loads that one. A damaged checkpoint (a missing, truncated or
-    unreadable file) is set aside and the one before it is tried. A checkpoint of another app or model shape is
-    refused in one line, before anything is loaded or written. A checkpoint saved by another number of processes
-    loads too: DCP reshards the model and optimizer, and the data loader's unread data is re-partitioned.
+    Rank 0 picks the checkpoint and every rank loads that one. A checkpoint proven damaged (a missing or truncated
+    file, content that does not parse) is set aside and the one before it is tried; an I/O error is no proof: the
+    read is tried again (`READ_ATTEMPTS`), then the run stops in one line, every checkpoint left in place. A
+    checkpoint of another app or model shape is refused in one line, before anything is loaded or written. A
+    checkpoint saved by another number of processes loads too: DCP reshards the model and optimizer, and the data
+    loader's unread data is re-partitioned.
     """
+    failed_reads = 0
     while True:
         choice = broadcast_object(_pick_checkpoint(checkpoints, model, app, config) if launch.rank == 0 else None)
         if isinstance(choice, UserError) or choice is None:
@@ -66,15 +74,23 @@ def resume(checkpoints: CheckpointManager, model, optimizer, app: App, config, l
                 raise choice
             return None
         path = Path(choice)
+        states, damage, unread = None, None, None
         try:
-            states, damage = checkpoints.load(path, model, optimizer), None
+            states = checkpoints.load(path, model, optimizer)
         except DamagedCheckpoint as e:
-            states, damage = None, str(e)
-        damage = agreed_failure(damage)  # a file that one rank alone could not read is damaged for all of them
+            damage = str(e)
+        except OSError as e:
+            unread = _unread(e)
+        damage = agreed_failure(damage)  # a file that one rank alone found damaged is damaged for all of them
         if damage is not None:
             if launch.rank == 0:
                 _set_aside(checkpoints, path, DamagedCheckpoint(damage))
             barrier()
+            continue
+        unread = agreed_failure(unread)
+        if unread is not None:
+            failed_reads += 1
+            _wait_to_read_again(path, unread, failed_reads)
             continue
         logger.info(f"resumed from {path}")
         report_changes(Checkpoint.read(path).config, config, states[0]["step"])
@@ -92,7 +108,7 @@ def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, config) ->
     raise on every rank; None for a new run."""
     for path in reversed(checkpoints.complete_checkpoints()):
         try:
-            check_same_model(Checkpoint.read(path), model, app, config)
+            check_same_model(retrying_reads(lambda: Checkpoint.read(path), path), model, app, config)
             return str(path)
         except DamagedCheckpoint as e:
             _set_aside(checkpoints, path, e)
@@ -127,6 +143,32 @@ def architecture_changes(old_config: dict, config) -> list[str]:
     changes = config_changes(old_config, to_dict(config))
     architecture = {"data.tokenizer.name", *architecture_fields(config.model, "model.")}
     return [f"{key} {old} -> {new}" for key, (old, new) in changes.items() if key in architecture]
+
+
+def retrying_reads(read: Callable, path: Path):
+    """`read()`, tried again after an I/O error (`READ_ATTEMPTS` in all); a UserError once it keeps failing."""
+    for attempt in range(1, READ_ATTEMPTS + 1):
+        try:
+            return read()
+        except OSError as e:
+            if isinstance(e, FileNotFoundError):  # a checkpoint's missing file is damage: `read` says so
+                raise
+            _wait_to_read_again(path, _unread(e), attempt)
+
+
+def _unread(error: OSError) -> str:
+    return f"{error.strerror or error}{f': {error.filename}' if error.filename else ''}"
+
+
+def _wait_to_read_again(path: Path, reason: str, failed_reads: int) -> None:
+    """After the `failed_reads`-th I/O error reading checkpoint `path`: waits before the next try, or, after the
+    last, stops the run (a UserError), leaving every checkpoint in place."""
+    if failed_reads >= READ_ATTEMPTS:
+        raise UserError(f"cannot read checkpoint {path} ({reason}; tried {READ_ATTEMPTS} times): an I/O error is no "
+                        "proof of damage, so every checkpoint is left in place; start again once the disk reads")
+    delay = RETRY_DELAY_S * 2 ** (failed_reads - 1)
+    logger.warning(f"cannot read checkpoint {path} ({reason}): trying again in {delay:g} s")
+    time.sleep(delay)
 
 
 def _set_aside(checkpoints: CheckpointManager, path: Path, error: DamagedCheckpoint) -> None:

@@ -137,9 +137,9 @@ def train(app: App, config) -> dict[str, Any]:
         try:
             run = RunFolder(Path(config.dump_dir))
             on_rank_zero(lambda: _make_folder(run.root))
-            with RunLock(run.root):
-                setup_logging(run.log, launch.rank)
-                return Trainer(app, config, start, run, device, launch, activity).fit()
+            with RunLock(run.root) as lock:
+                on_every_rank(lambda: setup_logging(run.log, launch.rank, lock.lost))
+                return Trainer(app, config, start, run, device, launch, activity, lock).fit()
         except RuntimeError as e:
             kind = collective_failure(e)
             if kind is None:
@@ -170,19 +170,22 @@ def _make_folder(folder: Path) -> None:
 
 
 class Trainer:
-    """One run on this rank: set up on construction (model, optimizer, resume, data, evaluation), trained by `fit`."""
+    """One run on this rank: set up on construction (model, optimizer, resume, data, evaluation), trained by `fit`.
+    Every write into the run folder is fenced by the run's lease (`lock.lost`, checked on rank 0 right before it),
+    and a lost lease is a failure of the agreement after every step: a process whose lease was taken over while it
+    stalled writes nothing more and stops."""
 
     def __init__(self, app: App, config, start: Start, run: RunFolder, device: torch.device, launch: Launch,
-                 activity: Activity):
-        self.app, self.config, self.run, self.device, self.launch, self.activity = \
-            app, config, run, device, launch, activity
+                 activity: Activity, lock: RunLock):
+        self.app, self.config, self.run, self.device, self.launch, self.activity, self.lock = \
+            app, config, run, device, launch, activity, lock
         self.tokenizer = build_tokenizer(config.data.tokenizer)
         self.model = build_model(app.build_model, config.model, self.tokenizer, device, config.seed,
                                  (config.distributed, launch), plan=app.parallelize)
         check_batch_shape(self.model, app.data.row_shape(config.data), device)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.params = {"app": app.name, "config": to_dict(config)}
-        self.checkpoints = CheckpointManager(run.checkpoints, config.checkpoint)
+        self.checkpoints = CheckpointManager(run.checkpoints, config.checkpoint, lock.lost)
         on_rank_zero(self.checkpoints.check_folder)
         self.checkpoints.remove_leftovers()
         if launch.rank == 0:
@@ -240,14 +243,14 @@ class Trainer:
         with (
             on_every_rank(lambda: ReadAhead(self.app.data.build_loader(config.data, self.tokenizer, self.launch.rank,
                                                                        self.launch.world_size, state.data))) as loader,
-            MetricLogger(self.run.metrics, step, config.logging, self.params["config"],
-                         self.launch.rank == 0) as metrics,
+            on_every_rank(lambda: MetricLogger(self.run.metrics, step, config.logging, self.params["config"],
+                                               self.launch.rank == 0, self.lock.lost)) as metrics,
             StopSignal(config.lifecycle.stop_signal, config.distributed.timeout_minutes) as stop,
         ):
-            if self.launch.rank == 0 and step < config.steps:
-                dump_config(config, self.run.config)  # the start has succeeded: the run's config now
+            if step < config.steps:  # the start has succeeded: the run's config now
+                on_rank_zero(lambda: self._write(self.run.config, lambda path: dump_config(config, path)))
             activity.now = f"the agreement before step {step + 1}"
-            stopping = step < config.steps and agree(stop, loader.prepare(config.grad_acc_steps))
+            stopping = step < config.steps and agree(stop, loader.prepare(config.grad_acc_steps) or self.lock.lost())
             if state.evaluation_skipped and not stopping:  # the stop that saved this checkpoint skipped it
                 activity.now = f"the evaluation at step {step}"
                 self._evaluate(step, metrics)
@@ -259,7 +262,7 @@ class Trainer:
                 failure = loader.prepare(config.grad_acc_steps) if step < config.steps else None  # the next step's
                 self.throughput.step(result.predicted_tokens, time.perf_counter() - before)
                 activity.now = f"the agreement after step {step}"
-                stopping = agree(stop, failure or metrics.failure)
+                stopping = agree(stop, failure or metrics.failure or self.lock.lost())
                 if step % config.logging.freq == 0 or step == config.steps:
                     activity.now = f"the log line of step {step}"
                     self._log(step, lr, loader, metrics)
@@ -276,7 +279,7 @@ class Trainer:
             fail_together(metrics.failure)  # a record of the last step that could not be written
         if step == config.steps:
             activity.now = "saving consolidated.pt"
-            save_consolidated(self.model, self.params, self.run.consolidated)
+            save_consolidated(self.model, self.params, self.run.consolidated, self.lock.lost)
         return self._summary(step, first_loss, time.perf_counter() - start, stop.agreed)
 
     def _summary(self, step: int, first_loss: float | None, seconds: float, stopped_by: str | None) -> dict[str, Any]:
@@ -334,21 +337,25 @@ class Trainer:
                             f"{', '.join(k for k in record if k != 'step')})")
         if self.state.best is None or record[key] > self.state.best[key]:
             self.state.best = record
-            save_consolidated(self.model, self.params, self.run.best_weights)
-            on_rank_zero(lambda: _write_json(self.run.best_record, record))
+            save_consolidated(self.model, self.params, self.run.best_weights, self.lock.lost)
+            on_rank_zero(lambda: self._write(self.run.best_record, lambda path: atomic_write(
+                path, json.dumps(record, indent=1) + "\n")))
+
+    def _write(self, path: Path, write) -> None:
+        """Rank 0: `write(path)` into the run folder, if this process still holds the run; a failure is one line."""
+        lost = self.lock.lost()
+        if lost is not None:
+            raise UserError(lost)
+        try:
+            write(path)
+        except OSError as e:
+            raise UserError(f"cannot write {path}: {e.strerror}") from None
 
     def _save(self, step: int, loader: ReadAhead, stopping: bool) -> None:
         self.guard.check_before_save(self.model, step)  # a non-finite state never becomes a checkpoint
         self.state.step, self.state.data, self.state.evaluation_skipped = step, loader.state_dict(), stopping
         self.state.generator = self.generator.get_state().tolist()
         self.checkpoints.save(step, self.model, self.optimizer, self.state.state_dict(), self.params)
-
-
-def _write_json(path: Path, value: dict) -> None:
-    try:
-        atomic_write(path, json.dumps(value, indent=1) + "\n")
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror}") from None
 
 
 def check_batch_shape(model, row_shape: tuple[int, ...], device: torch.device) -> None:

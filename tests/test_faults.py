@@ -19,6 +19,7 @@ from conftest import end, read_metrics, start, tiny_argv
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
 from lingua import checkpoint as checkpoint_module
+from lingua import safe_dcp
 from lingua import step as training_step
 from lingua import train as loop
 from lingua.args import load_config
@@ -476,3 +477,35 @@ def test_non_finite_guard_reads_the_device_only_when_asked(tmp_path):
     guard.update(3, torch.tensor(1.0), torch.tensor(math.inf))
     with pytest.raises(loop.Diverged, match="at step 2: .*no checkpoint was saved"):
         guard.check()
+
+
+@pytest.mark.parametrize("fails", ["once", "always"])
+def test_an_io_error_reading_the_newest_checkpoint_sets_nothing_aside(corpus, tmp_path, capsys, monkeypatch, fails):
+    """EIO from the disk while DCP reads the newest checkpoint's shards: no proof of damage. Once: read again, the
+    run resumes from that newest checkpoint. Always: one line, exit 2, every checkpoint where it was."""
+    dump = tmp_path / "run"
+    assert run_main(tiny_argv(corpus, dump, steps=20), capsys)[0] == 0
+    (dump / "consolidated.pt").unlink()
+    original, calls = safe_dcp.SafeReader.read_data, []
+
+    def read_data_with_an_io_error(self, *args, **kwargs):
+        calls.append(1)
+        if fails == "always" or len(calls) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(safe_dcp.SafeReader, "read_data", read_data_with_an_io_error)
+    monkeypatch.setattr("lingua.resume.RETRY_DELAY_S", 0.01)
+    status, err = run_main(tiny_argv(corpus, dump, steps=20), capsys)
+    assert checkpoint_names(dump) == ["0000000010", "0000000020"]
+    log = (dump / "train.log").read_text()
+    if fails == "once":
+        assert status == 0, err
+        assert "cannot read checkpoint" in log and "trying again" in log
+        assert log.split("resumed from ")[-1].splitlines()[0] == str(dump / "checkpoints" / "0000000020")
+    else:
+        assert status == 2
+        assert_one_line(err, f"cannot read checkpoint {dump / 'checkpoints' / '0000000020'} (Input/output error; "
+                             "tried 4 times): an I/O error is no proof of damage, so every checkpoint is left in "
+                             "place")
+        assert "damaged" not in log

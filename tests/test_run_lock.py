@@ -2,6 +2,7 @@
 file that names its holder, renewed by a heartbeat, taken over only when its holder is certainly gone."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -9,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_argv
+from conftest import end, read_metrics, start, tiny_argv
 
 from apps.bert.train import APP as BERT
 from lingua import train as loop
@@ -155,3 +156,60 @@ def test_a_claim_left_by_a_killed_process_is_refused_in_one_line(tmp_path):
     os.utime(claim, (time.time() - 60,) * 2)  # a takeover lasts milliseconds
     assert refusal(tmp_path) == f"{claim} was left by a process killed while taking over or releasing the run " \
                                 f"lease {lease}: if no training runs in {tmp_path}, delete both files"
+
+
+def _state(pid: int) -> str:
+    return next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("State:"))
+
+
+def _wait_until(condition, what: str, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.1)
+
+
+def _files(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under `folder` by path: its inode and bytes."""
+    return {str(p.relative_to(folder)): (p.stat().st_ino, p.read_bytes()) for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def test_a_holder_that_stalled_past_the_takeover_writes_nothing_more(corpus, tmp_path):
+    """Trainer A stops (SIGSTOP, as a stalled node) during step 8; once its lease is stale, B takes it over, resumes
+    from checkpoint 5 and stops itself during its 8th step (step 13, checkpoint 10 saved). A resumes (SIGCONT):
+    it exits with one line and writes not one byte into the run folder; B resumes and finishes the run."""
+    dump, stale_s = tmp_path / "run", 2.0
+    argv = tiny_argv(corpus, dump, steps=30) + ["checkpoint.every=5", "validation.every=0"]
+    helper = [sys.executable, "tests/trainer_on_a_host_of_its_own.py", "0.2", str(stale_s), "8", "apps.bert.train"]
+    a = start([*helper, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    b = None
+    try:
+        _wait_until(lambda: a.poll() is not None or _state(a.pid) == "T", "A stops itself")
+        assert a.poll() is None, a.stderr.read()
+        lease = dump / ".lock"
+        _wait_until(lambda: time.time() - lease.stat().st_mtime > stale_s + 0.5, "A's lease is stale")
+        b = start([*helper, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _wait_until(lambda: b.poll() is not None or _state(b.pid) == "T", "B stops itself")
+        assert b.poll() is None, b.stderr.read()
+        assert lease.read_text().startswith(f"pid {b.pid} ") and "resumed from" in (dump / "train.log").read_text()
+        assert (dump / "checkpoints" / "0000000010").is_dir()
+        before = _files(dump)
+
+        os.kill(a.pid, signal.SIGCONT)
+        _, err = a.communicate(timeout=180)
+        assert a.returncode == 2, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith(f"error: the run lease {lease} was taken over by another process"), err
+        assert _files(dump) == before  # no checkpoint, metrics or log byte, no file made or removed
+
+        os.kill(b.pid, signal.SIGCONT)
+        _, err = b.communicate(timeout=180)
+        assert b.returncode == 0 and "took over the run lease" in err, err
+    finally:
+        for proc in (a, b):
+            if proc is not None:
+                end(proc)
+    assert sorted(read_metrics(dump)) == list(range(1, 31))
+    assert "was taken over" not in (dump / "train.log").read_text()  # A's error went to its own output only
