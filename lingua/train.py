@@ -307,9 +307,10 @@ class Trainer:
         data_tokens = self.state.data_tokens
         record = {"step": step, **self.window.means(), "lr": lr, **self.throughput.report(),
                   "data_tokens": data_tokens, **self.throughput.compute(data_tokens * self.model.views_per_sequence),
-                  "memory_gib": peak_memory_gib(self.device), "malformed_lines": loader.malformed_lines}
+                  "memory_gib": peak_memory_gib(self.device), "malformed_lines": loader.malformed_lines,
+                  "new_malformed_lines": loader.new_malformed_lines()}
         record |= reduce_over_ranks(record, self.device, maximum=("memory_gib", "data_wait"),
-                                    total=("malformed_lines",))
+                                    total=("malformed_lines", "new_malformed_lines"))
         metrics.log(record)
         logger.info(format_progress(record, self.config.steps))
         self.last = record
