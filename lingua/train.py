@@ -284,7 +284,7 @@ class Trainer:
         summary = {"steps": step, "first_loss": first_loss, "final_loss": self.last.get("loss"),
                    "data_tokens": self.state.data_tokens, "seconds": round(seconds, 1), "stopped_by": stopped_by,
                    "requeued": bool(stopped_by) and requeue_slurm_job(stopped_by, self.config.lifecycle)}
-        logger.info("summary: " + " | ".join(f"{k} {v}" for k, v in summary.items()))
+        logger.info(summary_line(summary))
         return summary
 
     def _step(self, step: int, loader: ReadAhead):
@@ -343,6 +343,17 @@ class Trainer:
         self.state.step, self.state.data, self.state.evaluation_skipped = step, loader.state_dict(), stopping
         self.state.generator = self.generator.get_state().tolist()
         self.checkpoints.save(step, self.model, self.optimizer, self.state.state_dict(), self.params)
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """`_summary`'s dict for people: "summary: 300 steps | 307,200 data tokens | 200.1 s | first loss 10.6 | final
+    loss 7.29 | stopped: no"."""
+    losses = [f"{which} loss {summary[f'{which}_loss']:.3g}" for which in ("first", "final")
+              if summary[f"{which}_loss"] is not None]
+    stopped = f"by {summary['stopped_by']}{', requeued' if summary['requeued'] else ''}" if summary["stopped_by"] \
+        else "no"
+    return " | ".join([f"summary: {summary['steps']:,} steps", f"{summary['data_tokens']:,} data tokens",
+                       f"{summary['seconds']:,.1f} s", *(losses or ["no loss logged"]), f"stopped: {stopped}"])
 
 
 def _write_json(path: Path, value: dict) -> None:
