@@ -383,9 +383,18 @@ def main(app: App, argv: list[str] | None = None) -> None:
     except Diverged as e:
         _fail(str(e), EXIT_DIVERGED)
     except KeyboardInterrupt:
-        _fail("interrupted: nothing was saved since the last checkpoint", 130)
+        _fail(f"interrupted without saving: {_resumes_from(config)}", 130)
     if summary["stopped_by"] and summary["stopped_by"] != config.lifecycle.stop_signal:
         sys.exit(EXIT_STOPPED)
+
+
+def _resumes_from(config) -> str:
+    """What the same command resumes from after an interruption: the newest checkpoint, or none."""
+    checkpoints = CheckpointManager(RunFolder(Path(config.dump_dir)).checkpoints, config.checkpoint)
+    try:
+        return checkpoints.kept()
+    except OSError as e:
+        return f"the checkpoints in {checkpoints.folder} cannot be listed ({e.strerror})"
 
 
 def _fail(message: str, status: int):
