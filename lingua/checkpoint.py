@@ -147,6 +147,13 @@ def short_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
+def _interruption(error: BaseException) -> bool:
+    """A KeyboardInterrupt, or DCP's CheckpointException around one (DCP catches every exception on each rank)."""
+    if isinstance(error, CheckpointException):
+        return any(isinstance(failure[0], KeyboardInterrupt) for failure in error.failures.values())
+    return isinstance(error, KeyboardInterrupt)
+
+
 @contextlib.contextmanager
 def _dcp_quietly():
     """DCP warns on every call that it runs in a single process; that is intended here."""
@@ -272,19 +279,30 @@ class CheckpointManager:
         return final
 
     def _stage(self, final: Path, tmp: Path, write) -> None:
+        """One stage of `save`, agreed over the ranks. A second Ctrl-C during it (which DCP hands back wrapped in a
+        CheckpointException) is an interruption on the rank that got it, once the ranks have agreed."""
         rank = rank_and_world()[0]
-        failure = self.fence() if rank == 0 else None
+        failure, interrupted = (self.fence() if rank == 0 else None), False
         if failure is None:
             try:
                 write()
-            except (Exception, CheckpointException) as e:
-                failure = f"could not save checkpoint {final}: {self._save_failure(e)}; the previous checkpoint is kept"
+            except (Exception, CheckpointException, KeyboardInterrupt) as e:
+                interrupted = _interruption(e)
+                failure = f"could not save checkpoint {final}: {self._save_failure(e)}; {self.kept()}"
         try:
             fail_together(failure)
         except UserError:
             if rank == 0 and self.fence() is None:
                 shutil.rmtree(tmp, ignore_errors=True)
+            if interrupted:
+                raise KeyboardInterrupt from None
             raise
+
+    def kept(self) -> str:
+        """What the run resumes from, the truth at this moment: the newest complete checkpoint, or none."""
+        latest = self.latest()
+        return f"the same command resumes from checkpoint {latest.name}" if latest else \
+            "there is no checkpoint, so the same command starts the run over"
 
     @staticmethod
     def _write(tmp: Path, rank: int, model: nn.Module, optimizer, train_state: dict, params: dict) -> None:
@@ -312,6 +330,8 @@ class CheckpointManager:
 
     def _save_failure(self, error: BaseException) -> str:
         """DCP reports a full disk as a torn zip record, not ENOSPC: the free space tells."""
+        if _interruption(error):
+            return "interrupted (Ctrl-C)"
         free = shutil.disk_usage(self.folder if self.folder.exists() else self.folder.parent).free
         if getattr(error, "errno", None) == errno.ENOSPC or free < LOW_DISK_BYTES:
             return f"the disk is full ({free:,} bytes free)"

@@ -82,7 +82,9 @@ class TrainLoader:
         weights = np.array([args.sources[n] for n in self.names], dtype=np.float64)
         self.weights = weights / weights.sum()
         self.rng = np.random.default_rng([args.seed, rank])
-        self.streams = [SourceStream(n, _train_files(args, n), rank, world_size, tokenizer) for n in self.names]
+        self.streams = [SourceStream(n, _train_files(args, n), rank, world_size, tokenizer,
+                                     batch_tokens=args.batch_size * args.seq_len * weight)
+                        for n, weight in zip(self.names, self.weights)]
         if state is not None:
             self._load_state_dict(state)
         self._state = self._snapshot()
@@ -178,7 +180,13 @@ class ReadAhead:
         self.loader = loader
         self.ready: collections.deque = collections.deque()  # (batch, state after it, malformed lines after it)
         self.state, self.malformed_lines = loader.state_dict(), loader.malformed_lines
+        self.malformed_counted = self.malformed_lines  # by `new_malformed_lines`
         self.failure: str | None = None
+
+    def new_malformed_lines(self) -> int:
+        """The malformed lines skipped since the previous call (since the start, at the first): a progress line's."""
+        new, self.malformed_counted = self.malformed_lines - self.malformed_counted, self.malformed_lines
+        return new
 
     def prepare(self, n: int) -> str | None:
         """Fetches batches until the next n are at hand, waiting for them; returns why they cannot be (one line),

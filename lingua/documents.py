@@ -22,13 +22,34 @@ class SkippedRows:
         return f"{path}: skipped {self.count} {rows} (the first at {self.first})"
 
 
+class MalformedLine(ValueError):
+    """A line that holds no document; its text says why."""
+
+
+def read_document(tokenizer, line: bytes) -> list[int]:
+    """The tokens of one JSONL line's document (<s> text </s>); raises MalformedLine saying why there is none."""
+    if not line.strip():
+        raise MalformedLine("an empty line")
+    try:
+        doc = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise MalformedLine("not UTF-8") from None
+    except RecursionError:
+        raise MalformedLine("JSON nested too deeply") from None
+    except ValueError as e:  # bad JSON, or a number past the digit limit (whose advice is for programmers)
+        raise MalformedLine(f"not JSON: {str(e).splitlines()[0].split(';')[0]}") from None
+    text = doc.get("text") if isinstance(doc, dict) else None
+    if not isinstance(text, str):
+        raise MalformedLine('no "text" string in it')
+    try:
+        return [tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id]
+    except ValueError:  # lone surrogates
+        raise MalformedLine("its text is not valid Unicode") from None
+
+
 def document(tokenizer, line: bytes) -> list[int] | None:
     """The tokens of one JSONL line's document (<s> text </s>), or None when the line is malformed."""
     try:
-        doc = json.loads(line.decode("utf-8")) if line.strip() else None
-        text = doc.get("text") if isinstance(doc, dict) else None
-        if isinstance(text, str):
-            return [tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id]
-    except (ValueError, RecursionError):  # bad UTF-8 or JSON, lone surrogates, a number past the digit limit, nesting
-        pass
-    return None
+        return read_document(tokenizer, line)
+    except MalformedLine:
+        return None

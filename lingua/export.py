@@ -4,9 +4,11 @@
 
 The folder holds the model in plain PyTorch (`modeling_lingua.py`, `configuration_lingua.py`: no Lingua needed to
 load it), its weights (`model.safetensors`), the tokenizer (`tokenizer.json`: GPT-2's BPE or the bytes one, with
-`<s> text </s>` added and our special ids), the files that make `SentenceTransformer(FOLDER, trust_remote_code=True)`
-return the model's `pooler_output`, and a model card (`README.md`). Vectors and states are those of
-`lingua.embed.load_embedder(ckpt, pooling=, max_len=)` and `model.encode`. config.json's `auto_map` names:
+`<s> text </s>` added and our special ids; `tokenizer_config.json` names `PreTrainedTokenizerFast`, so it loads with no
+code from the folder: `AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=False)`), the files that make
+`SentenceTransformer(FOLDER, trust_remote_code=True)` return the model's `pooler_output`, and a model card
+(`README.md`). Vectors and states are those of `lingua.embed.load_embedder(ckpt, pooling=, max_len=)` and
+`model.encode`. config.json's `auto_map` names:
 
 - `AutoModel`: the final states and the sentence embedding;
 - `AutoModelForSequenceClassification`: a linear head on the vector that `classifier_pooling` names (the mean, the

@@ -49,7 +49,8 @@ USAGE = """## Usage
 ```python
 from transformers import AutoModel, AutoTokenizer
 folder = "path/to/this/folder"  # or its id on the hub
-tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)  # the flag spares a prompt for config.json
+# tokenizer.json runs no code; trust_remote_code=False spares transformers' question about config.json's code
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
 batch = tokenizer(["a sentence", "another one"], padding=True, truncation=True, return_tensors="pt")
 output = model(**batch)

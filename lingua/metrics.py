@@ -194,6 +194,8 @@ def format_progress(record: dict[str, Any], total_steps: int) -> str:
     ]:
         if key in record:
             parts.append(fmt.format(record[key]) if record[key] is not None else fmt.split()[0] + " unknown")
+    if record.get("new_malformed_lines"):
+        parts.append(f"skipped {record['new_malformed_lines']:,} malformed lines")
     return " | ".join(parts)
 
 

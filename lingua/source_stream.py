@@ -15,12 +15,16 @@ by re-reading that one line.
 
 import logging
 import os
+import time
 from typing import Any
 
 from lingua.args import UserError
-from lingua.documents import SkippedRows, document
+from lingua.documents import MalformedLine, SkippedRows, read_document
 
 logger = logging.getLogger(__name__)
+
+EPOCH_LOG_INTERVAL_S = 60  # a source read through many times a minute (one smaller than a batch) logs its epochs
+# at most this often
 
 
 def rank_segments(files: list[str], sizes: list[int], rank: int, world_size: int) -> list[list]:
@@ -43,11 +47,15 @@ class SourceStream:
     first document already used. Every epoch reads the rank's own byte range, except an epoch resumed on another
     number of ranks, which reads the segments it was handed (`repartition`).
 
-    Malformed lines are skipped; those of the first epoch are counted (later epochs meet the same lines again), with
-    one warning for each segment the rank leaves: its share of one file."""
+    Malformed lines are skipped; those of the first epoch are counted (later epochs meet the same lines again). The
+    first one of each segment (the rank's share of one file) is reported at once, with why; a segment that had more
+    is summed up when the rank leaves it.
 
-    def __init__(self, name: str, files: list[str], rank: int, world_size: int, tokenizer):
-        self.name, self.rank = name, rank
+    `batch_tokens` is what a batch takes from this source on average: a rank's share smaller than that is read
+    through several times per batch, which is said once, with the numbers."""
+
+    def __init__(self, name: str, files: list[str], rank: int, world_size: int, tokenizer, batch_tokens: float):
+        self.name, self.rank, self.batch_tokens = name, rank, batch_tokens
         self.identities = {f: _identity(os.stat(f)) for f in files}  # what each file was when the run started
         sizes = [identity[0] for identity in self.identities.values()]
         self.total_bytes = sum(sizes)
@@ -64,6 +72,8 @@ class SourceStream:
         self.skip = 0  # tokens of the next document already used in an earlier run
         self.file = None
         self.wraps_without_doc = 0
+        self.epoch_docs, self.epoch_tokens, self.whole_epoch = 0, 0, True  # read in this epoch; from its start?
+        self.told_small, self.epoch_logged_at = False, -float("inf")
 
     def take(self, n: int) -> list[int]:
         out: list[int] = []
@@ -90,19 +100,28 @@ class SourceStream:
                 raise UserError(f"data file {path} shrank under the running job ({self.identities[path][0]:,} bytes "
                                 f"at the start, {size:,} now): {_CHANGED}")
             offset, self.pos = self.pos, self.pos + len(line)
-            doc = document(self.tokenizer, line)
-            if doc is not None:
-                self.wraps_without_doc = 0
-                self.doc_seg, self.doc_pos = self.seg, offset
-                return doc
-            if self.epoch == 0:
-                self.malformed += 1
-                self.skipped.add(f"byte {offset:,}")
+            try:
+                doc = read_document(self.tokenizer, line)
+            except MalformedLine as why:
+                if self.epoch == 0:
+                    self._skip(path, offset, why)
+                continue
+            self.wraps_without_doc = 0
+            self.doc_seg, self.doc_pos = self.seg, offset
+            self.epoch_docs, self.epoch_tokens = self.epoch_docs + 1, self.epoch_tokens + len(doc)
+            return doc
+
+    def _skip(self, path: str, offset: int, why: MalformedLine) -> None:
+        self.malformed += 1
+        self.skipped.add(f"byte {offset:,}")
+        if self.skipped.count == 1:
+            logger.warning(f"{path}: skipped a malformed line at byte {offset:,} ({why}); the progress lines count "
+                           "those skipped")
 
     def _next_segment(self) -> None:
         self.close()
         path, _, end, _ = self.segments[self.seg]
-        if self.skipped.count:
+        if self.skipped.count > 1:
             logger.warning(self.skipped.warning(path, f"malformed lines in bytes [{self.skipped_from:,}, {end:,})"))
         self.seg += 1
         if self.seg >= len(self.segments):
@@ -110,10 +129,27 @@ class SourceStream:
             if self.wraps_without_doc > 1:  # a whole epoch passed without one valid document
                 raise UserError(f"data source '{self.name}' has no valid document in rank {self.rank}'s share of "
                                 f"{os.path.dirname(self.own_segments[0][0])}: every line is malformed")
+            self._end_epoch()
             self.epoch, self.seg, self.segments = self.epoch + 1, 0, self.own_segments
-            logger.info(f"data source '{self.name}': rank {self.rank} starts epoch {self.epoch}")
         self.pos, self.skip = self.segments[self.seg][1], self.segments[self.seg][3]
         self.skipped, self.skipped_from = SkippedRows(), self.pos
+
+    def _end_epoch(self) -> None:
+        """Says once when an epoch read whole was smaller than a batch; logs the next epoch, at most once a
+        minute."""
+        if self.whole_epoch and self.epoch_docs and self.epoch_tokens < self.batch_tokens and not self.told_small:
+            self.told_small = True
+            logger.warning(
+                f"data source '{self.name}' is smaller than a batch: rank {self.rank}'s share of it holds "
+                f"{self.epoch_docs:,} document(s), {self.epoch_tokens:,} tokens, and each batch takes about "
+                f"{self.batch_tokens:,.0f} tokens from it (data.batch_size x data.seq_len x its weight), so every "
+                f"batch reads it through about {self.batch_tokens / self.epoch_tokens:,.1f} times: add documents, or "
+                "lower data.batch_size or data.seq_len")
+        now = time.monotonic()
+        if now - self.epoch_logged_at >= EPOCH_LOG_INTERVAL_S:
+            self.epoch_logged_at = now
+            logger.info(f"data source '{self.name}': rank {self.rank} starts epoch {self.epoch + 1:,}")
+        self.epoch_docs, self.epoch_tokens, self.whole_epoch = 0, 0, True
 
     def _open(self, path: str):
         """The file, if it is still the one the run started with (not removed, replaced, shrunk or rewritten)."""
@@ -151,6 +187,7 @@ class SourceStream:
         self.epoch, self.seg, self.pos = state["epoch"], state["segment"], state["byte"]
         self.doc, self.doc_off, self.skip = [], 0, 0
         self.malformed, self.skipped, self.skipped_from = state["malformed_lines"], SkippedRows(), self.pos
+        self.epoch_docs, self.epoch_tokens, self.whole_epoch = 0, 0, False
         if self.seg >= len(self.segments):  # handed nothing of the resumed epoch: start the next one
             self.seg = len(self.segments) - 1
             self._next_segment()

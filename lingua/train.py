@@ -287,7 +287,7 @@ class Trainer:
         summary = {"steps": step, "first_loss": first_loss, "final_loss": self.last.get("loss"),
                    "data_tokens": self.state.data_tokens, "seconds": round(seconds, 1), "stopped_by": stopped_by,
                    "requeued": bool(stopped_by) and requeue_slurm_job(stopped_by, self.config.lifecycle)}
-        logger.info("summary: " + " | ".join(f"{k} {v}" for k, v in summary.items()))
+        logger.info(summary_line(summary))
         return summary
 
     def _step(self, step: int, loader: ReadAhead):
@@ -310,9 +310,10 @@ class Trainer:
         data_tokens = self.state.data_tokens
         record = {"step": step, **self.window.means(), "lr": lr, **self.throughput.report(),
                   "data_tokens": data_tokens, **self.throughput.compute(data_tokens * self.model.views_per_sequence),
-                  "memory_gib": peak_memory_gib(self.device), "malformed_lines": loader.malformed_lines}
+                  "memory_gib": peak_memory_gib(self.device), "malformed_lines": loader.malformed_lines,
+                  "new_malformed_lines": loader.new_malformed_lines()}
         record |= reduce_over_ranks(record, self.device, maximum=("memory_gib", "data_wait"),
-                                    total=("malformed_lines",))
+                                    total=("malformed_lines", "new_malformed_lines"))
         metrics.log(record)
         logger.info(format_progress(record, self.config.steps))
         self.last = record
@@ -358,6 +359,17 @@ class Trainer:
         self.checkpoints.save(step, self.model, self.optimizer, self.state.state_dict(), self.params)
 
 
+def summary_line(summary: dict[str, Any]) -> str:
+    """`_summary`'s dict for people: "summary: 300 steps | 307,200 data tokens | 200.1 s | first loss 10.6 | final
+    loss 7.29 | stopped: no"."""
+    losses = [f"{which} loss {summary[f'{which}_loss']:.3g}" for which in ("first", "final")
+              if summary[f"{which}_loss"] is not None]
+    stopped = f"by {summary['stopped_by']}{', requeued' if summary['requeued'] else ''}" if summary["stopped_by"] \
+        else "no"
+    return " | ".join([f"summary: {summary['steps']:,} steps", f"{summary['data_tokens']:,} data tokens",
+                       f"{summary['seconds']:,.1f} s", *(losses or ["no loss logged"]), f"stopped: {stopped}"])
+
+
 def check_batch_shape(model, row_shape: tuple[int, ...], device: torch.device) -> None:
     """The app can make a batch of rows of this shape (e.g. its mask ratio masks at least one token); checked at the
     start with a throwaway generator, so the run's random draws are untouched."""
@@ -378,9 +390,18 @@ def main(app: App, argv: list[str] | None = None) -> None:
     except Diverged as e:
         _fail(str(e), EXIT_DIVERGED)
     except KeyboardInterrupt:
-        _fail("interrupted: nothing was saved since the last checkpoint", 130)
+        _fail(f"interrupted without saving: {_resumes_from(config)}", 130)
     if summary["stopped_by"] and summary["stopped_by"] != config.lifecycle.stop_signal:
         sys.exit(EXIT_STOPPED)
+
+
+def _resumes_from(config) -> str:
+    """What the same command resumes from after an interruption: the newest checkpoint, or none."""
+    checkpoints = CheckpointManager(RunFolder(Path(config.dump_dir)).checkpoints, config.checkpoint)
+    try:
+        return checkpoints.kept()
+    except OSError as e:
+        return f"the checkpoints in {checkpoints.folder} cannot be listed ({e.strerror})"
 
 
 def _fail(message: str, status: int):

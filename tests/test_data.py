@@ -98,7 +98,7 @@ MALFORMED = [b"{not json\n", b'{"title": "no text"}\n', b'{"text": 5}\n', b'{"te
              b"[1, 2]\n", b'{"text": "past the digit limit", "n": ' + b"7" * 5000 + b"}\n", b"[" * 100_000 + b"\n"]
 
 
-def test_malformed_lines_are_counted_once_with_one_warning_per_file(tmp_path, caplog):
+def test_malformed_lines_are_counted_once_with_the_first_reported_at_once(tmp_path, caplog):
     write_source(tmp_path, "a", [["first", *MALFORMED[:6], "second", b'{"text": "last, no newline"}'],
                                  [*MALFORMED[6:], "third"]])  # 40 tokens of documents per epoch
     args = DataArgs(root_dir=str(tmp_path), sources={"a": 1.0}, seq_len=5, batch_size=2, prefetch=2)
@@ -111,9 +111,15 @@ def test_malformed_lines_are_counted_once_with_one_warning_per_file(tmp_path, ca
         assert loader.malformed_lines == 8 and loader.state_dict()["sources"]["a"]["malformed_lines"] == 8
     assert split_docs(stream(batches)) == ["first", "second", "last, no newline", "third"] * 2 + ["first", "second"]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 2
-    assert "train.00000.jsonl: skipped 6 malformed lines" in warnings[0] and "the first at byte 18" in warnings[0]
-    assert "train.00001.jsonl: skipped 2 malformed lines" in warnings[1] and "the first at byte 0" in warnings[1]
+    assert len(warnings) == 4  # the first of each file as it is met, with why; the file's count when it ends
+    assert warnings[0].endswith("train.00000.jsonl: skipped a malformed line at byte 18 (not JSON: Expecting property "
+                                "name enclosed in double quotes: line 1 column 2 (char 1)); the progress lines count "
+                                "those skipped")
+    assert "train.00000.jsonl: skipped 6 malformed lines" in warnings[1] and "the first at byte 18" in warnings[1]
+    assert warnings[2].endswith("train.00001.jsonl: skipped a malformed line at byte 0 (not JSON: Exceeds the limit "
+                                "(4300 digits) for integer string conversion: value has 5000 digits); the progress "
+                                "lines count those skipped")
+    assert "train.00001.jsonl: skipped 2 malformed lines" in warnings[3] and "the first at byte 0" in warnings[3]
     with build_train_loader(args, TOK, 0, 1, state=state) as loader:  # a resumed run counts on exactly
         assert all(torch.equal(a, b) for a, b in zip(take(loader, 8), batches[2:]))
         assert loader.malformed_lines == 8

@@ -86,6 +86,50 @@ def test_transformers_gives_our_states_and_embeddings(runs, tmp_path, kind, opti
     assert_transformers_matches(folder, embedder)
 
 
+LOAD_TOKENIZER = """
+import json, sys
+import transformers
+folder, texts = sys.argv[1], json.loads(sys.argv[2])
+loaded = {"fast": transformers.PreTrainedTokenizerFast.from_pretrained(folder),
+          "auto": transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=False)}
+if len(sys.argv) > 3:
+    loaded["auto, no flag"] = transformers.AutoTokenizer.from_pretrained(folder)
+print("tokens:", json.dumps({name: {"ids": [tokenizer(text, truncation=True, split_special_tokens=True)["input_ids"]
+                                 for text in texts],
+                         "pair": tokenizer("a b", "c")["input_ids"],
+                         "special": [tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token,
+                                     tokenizer.mask_token]}
+                  for name, tokenizer in loaded.items()}))
+print("code from the folder:", sorted(name for name in sys.modules if name.startswith("transformers_modules")))
+"""
+
+
+def test_the_exported_tokenizer_loads_with_no_code_from_the_folder(runs, tmp_path):
+    """tokenizer.json and a tokenizer_config.json naming PreTrainedTokenizerFast: loaded without trust_remote_code,
+    stdin closed (a [y/N] question would read an empty answer), it gives our ids. transformers 5's AutoTokenizer
+    reads config.json first, whose AutoConfig is the folder's code: without the flag it asks about that file (an
+    empty answer is no, and the tokenizer loads all the same); trust_remote_code=False, or PreTrainedTokenizerFast,
+    asks nothing."""
+    folder = export_to(tmp_path / "hf", runs["mean"])
+    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    texts = [text for text in TEXTS if text]
+    for no_flag in (False, True):
+        done = subprocess.run([sys.executable, "-c", LOAD_TOKENIZER, str(folder), json.dumps(texts),
+                               *(["no flag"] if no_flag else [])],
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert ("[y/N]" in done.stdout + done.stderr) == no_flag, done.stdout + done.stderr
+        results, imported = done.stdout.strip().splitlines()[-2:]  # the question, if asked, ends with no newline
+        assert imported == "code from the folder: []"
+        results = results.split("tokens: ")[1]
+        embedder = load_embedder(str(runs["mean"]), "cpu")
+        ours = embedder.tokenizer
+        for got in json.loads(results).values():
+            assert got["ids"] == [encode_example(ours, (text,), embedder.max_len) for text in texts]
+            assert got["pair"] == encode_example(ours, ("a b", "c"), embedder.max_len)
+            assert got["special"] == ["<s>", "</s>", "<pad>", "<mask>"]
+
+
 def test_sentence_transformers_gives_our_embeddings(runs, tmp_path):
     sentence_transformers = pytest.importorskip("sentence_transformers")
     for kind in ("attention", "mean"):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import end, read_metrics, start, tiny_argv
+from torch.distributed.checkpoint import FileSystemWriter
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
@@ -343,6 +344,30 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_with_the_stop_status(corpus, tmp_pa
     assert sorted(read_metrics(dump)) == list(range(1, 7))
 
 
+@pytest.mark.parametrize("saved_before", [0, 10])
+def test_a_second_ctrl_c_during_the_save_says_what_the_run_resumes_from(corpus, tmp_path, capsys, monkeypatch,
+                                                                         saved_before):
+    """Ctrl-C during step 3 after the last checkpoint, then Ctrl-C again while its checkpoint is written (DCP
+    wrapped it: "could not save ...: KeyboardInterrupt; the previous checkpoint is kept", with none)."""
+    dump = tmp_path / "run"
+    if saved_before:
+        assert run_main(tiny_argv(corpus, dump, steps=saved_before), capsys)[0] == 0
+    _signal_during_step(monkeypatch, 3, signal.SIGINT)
+    original = FileSystemWriter.write_data
+
+    def write_then_interrupt(self, plan, planner):
+        os.kill(os.getpid(), signal.SIGINT)
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_then_interrupt)
+    status, err = run_main(tiny_argv(corpus, dump, steps=40), capsys)
+    assert status == 130
+    resumes = f"the same command resumes from checkpoint {saved_before:010d}" if saved_before else \
+        "there is no checkpoint, so the same command starts the run over"
+    assert_one_line(err, f"interrupted without saving: {resumes}")
+    assert checkpoint_names(dump) == ([f"{saved_before:010d}"] if saved_before else [])
+
+
 def _signal_during_step(monkeypatch, step: int, signum: int) -> None:
     original, calls = training_step.clip_gradients, []
 
@@ -394,7 +419,7 @@ def test_a_failed_save_says_why_and_keeps_the_previous_checkpoint(corpus, tmp_pa
     status, err = run_main(tiny_argv(corpus, dump, steps=20), capsys)
     assert status == 2
     assert_one_line(err, "could not save checkpoint")
-    assert "0000000020: the disk is full (0 bytes free); the previous checkpoint is kept" in err
+    assert "0000000020: the disk is full (0 bytes free); the same command resumes from checkpoint 0000000010" in err
     assert checkpoint_names(dump) == ["0000000010"]
 
 

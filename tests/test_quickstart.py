@@ -3,6 +3,7 @@
 setup/install.sh provides the first two (CI runs it first); each test skips with a reason when a piece is absent.
 """
 
+import importlib
 import json
 from pathlib import Path
 
@@ -45,3 +46,28 @@ def test_debug_config_trains_on_the_sample(name, tmp_path, monkeypatch):
     assert all(r.get("malformed_lines", 0) == 0 for r in records)
     if REAL_GLUE.is_dir():
         assert any("glue/rte/linear" in r for r in records)
+
+
+def readme_training_commands() -> list[list[str]]:
+    """The README's one-line training commands of a shipped config: [module, key=value, ...] each."""
+    commands = []
+    for line in (REPO / "README.md").read_text().splitlines():
+        for command in line.split("#")[0].split("&&"):
+            words = command.split()
+            if words[:2] == ["python", "-m"] and words[2].endswith(".train") and not line.rstrip().endswith("\\") \
+                    and any(w.startswith("config=") and (REPO / w[7:]).is_file() for w in words):
+                commands.append(words[2:])
+    return commands
+
+
+def test_the_readmes_training_commands_work_after_the_quick_start():
+    """The quick start's run holds its dump_dir: another README command that trains in that folder resumes it, so
+    it must train the same model. The Training section's `model.encoder.dim=64` did not and was refused."""
+    quick_start = load_config(PRETRAINING["crossbert"].args_cls, ["config=apps/crossbert/configs/debug.yaml"])
+    commands = readme_training_commands()
+    assert len(commands) >= 4, commands
+    for module, *argv in commands:
+        app = importlib.import_module(module).APP
+        config = load_config(app.args_cls, argv)
+        if config.dump_dir == quick_start.dump_dir:
+            assert app.name == PRETRAINING["crossbert"].name and config.model == quick_start.model, (module, argv)

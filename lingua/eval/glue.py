@@ -129,7 +129,8 @@ def check_args(args: GlueEvalArgs) -> list[GlueTask]:
     if not args.data:
         raise UserError("data= is required: a folder in the original GLUE TSV layout, or 'hf' for the HF hub")
     if args.data != "hf" and not Path(args.data).is_dir():
-        raise UserError(f"GLUE data folder not found: {args.data}")
+        raise UserError(f"GLUE data folder not found: {Path(args.data).absolute()} (give a folder in GLUE's TSV "
+                        "layout, SST-2/train.tsv, ..., or data=hf to read GLUE from the HF hub)")
     names = {name.lower().replace("-", "") for name in args.tasks}
     unknown = sorted(names - set(TASKS))
     if unknown:
