@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from lingua import safe_dcp
+from lingua import safe_dcp, untrusted
 from lingua.app import build_model, load_app
 from lingua.args import UserError, at_least, from_dict
 from lingua.distributed import all_reduce, fail_together, on_rank_zero, rank_and_world
@@ -146,9 +146,9 @@ def _dcp_quietly():
 def _read_json(path: Path, keys: dict[str, type] | None = None) -> dict:
     """A JSON object with the given keys of the given types, else DamagedCheckpoint."""
     try:
-        content = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DamagedCheckpoint(f"{path.name}: {short_reason(e)}") from None
+        content = untrusted.read_json(path, "checkpoint file", expect=None)
+    except UserError as e:
+        raise DamagedCheckpoint(str(e)) from None
     wrong = not isinstance(content, dict) or any(not isinstance(content.get(k), t) for k, t in (keys or {}).items())
     if wrong:
         raise DamagedCheckpoint(f"{path.name} does not hold {', '.join(keys or {}) or 'a JSON object'}")

@@ -4,7 +4,7 @@ Its own file because every reader of rows shares it: the training stream (lingua
 rows (lingua/validation_rows.py), the GLUE TSV files (lingua/eval/glue_data.py) and the contrastive pairs.
 """
 
-import json
+from lingua.untrusted import parse_json
 
 
 class SkippedRows:
@@ -25,10 +25,8 @@ class SkippedRows:
 def document(tokenizer, line: bytes) -> list[int] | None:
     """The tokens of one JSONL line's document (<s> text </s>), or None when the line is malformed."""
     try:
-        doc = json.loads(line.decode("utf-8")) if line.strip() else None
-        text = doc.get("text") if isinstance(doc, dict) else None
-        if isinstance(text, str):
-            return [tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id]
-    except (ValueError, RecursionError):  # bad UTF-8 or JSON, lone surrogates, a number past the digit limit, nesting
-        pass
-    return None
+        doc = parse_json(line, dict) if line.strip() else {}
+        text = doc.get("text")
+        return [tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id] if isinstance(text, str) else None
+    except ValueError:  # Malformed (bad UTF-8 or JSON, a number past the digit limit, nesting) or lone surrogates
+        return None

@@ -15,6 +15,7 @@ import torch
 from lingua.args import at_least, require
 from lingua.distributed import all_reduce, rank_and_world
 from lingua.files import atomic_write
+from lingua.untrusted import Malformed, parse_json
 
 logger = logging.getLogger(__name__)
 
@@ -136,10 +137,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def _record(line: str) -> dict[str, Any] | None:
     try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):  # not JSON, or nested too deep to parse
+        return parse_json(line, dict)
+    except Malformed:  # not a JSON object, or nested too deep to parse
         return None
-    return record if isinstance(record, dict) else None
 
 
 def _step_of(line: str, default: int) -> int:

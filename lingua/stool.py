@@ -43,7 +43,7 @@ from typing import Any
 
 import yaml
 
-from lingua import pipeline
+from lingua import pipeline, untrusted
 from lingua.app import load_app
 from lingua.args import UserError, command_line, from_dict, load_config, parse_assignment, read_yaml, set_dotted
 from lingua.files import atomic_write
@@ -161,7 +161,7 @@ def prepare(run: PlannedRun) -> None:
     steps from epochs), so submitting the same run again compares what was submitted, not what the run wrote."""
     run.dump_dir.mkdir(parents=True, exist_ok=True)
     submitted = RunFolder(run.dump_dir).submitted
-    if submitted.exists() and yaml.safe_load(submitted.read_text()) != run.config:
+    if submitted.exists() and untrusted.read_yaml(submitted, "submitted config") != run.config:
         raise UserError(f"{run.dump_dir} already holds a run submitted with another config: use another dump_dir")
     atomic_write(submitted, yaml.safe_dump(run.config, sort_keys=False))
 

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from lingua.args import UserError
 from lingua.files import fsync_dir
 from lingua.tokenizer import sha256_of
+from lingua.untrusted import Malformed, parse_json
 
 MARKER = "prepared.json"  # in every folder this script writes: what --overwrite may replace
 
@@ -216,8 +217,8 @@ def jsonl_documents(path: Path, text_field: str, skipped: Skipped) -> Iterator[s
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
-                except ValueError:
+                    row = parse_json(line)
+                except Malformed:  # not JSON, a number past the digit limit, absurd nesting
                     skipped.add(f"{path}:{lineno}", "invalid JSON")
                     continue
                 doc = clean(row.get(text_field)) if isinstance(row, dict) else None
