@@ -63,6 +63,7 @@ from lingua.metrics import (
     MetricLogger,
     Throughput,
     Window,
+    check_logging,
     format_progress,
     peak_flops,
     peak_memory_gib,
@@ -154,6 +155,7 @@ def resolve_config(app: App, config, start: Start):
     init_from), checked before anything starts. The caller's config is left as it is."""
     if app.configure is not None:
         config = app.configure(config, start)
+    check_logging(config.logging)
     if config.data.seq_len > config.model.encoder.max_seqlen:
         raise UserError(f"data.seq_len ({config.data.seq_len}) exceeds model.encoder.max_seqlen "
                         f"({config.model.encoder.max_seqlen}), the length of the position table")
