@@ -58,6 +58,7 @@ from lingua.lifecycle import (
     requeue_slurm_job,
     stop_signals_held_for_the_main_thread,
 )
+from lingua.memory import memory_shortfall
 from lingua.metrics import (
     LoggingArgs,
     MetricLogger,
@@ -136,6 +137,7 @@ def train(app: App, config) -> dict[str, Any]:
         init_process_group(launch, device, config.distributed.timeout_minutes)
         activity = Activity("the start-up")
         try:
+            fail_together(memory_shortfall(app, config, device, launch))  # before anything is allocated or written
             run = RunFolder(Path(config.dump_dir))
             on_rank_zero(lambda: _make_folder(run.root))
             with RunLock(run.root):
