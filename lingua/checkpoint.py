@@ -146,8 +146,10 @@ def _dcp_quietly():
 def _read_json(path: Path, keys: dict[str, type] | None = None) -> dict:
     """A JSON object with the given keys of the given types, else DamagedCheckpoint."""
     try:
-        content = untrusted.read_json(path, "checkpoint file", expect=None)
-    except UserError as e:
+        content = untrusted.parse_json(untrusted.read_bytes(path, path.name))
+    except untrusted.Malformed as e:
+        raise DamagedCheckpoint(f"{path.name}: {e}") from None
+    except UserError as e:  # missing, unreadable or not a regular file: its message starts with path.name
         raise DamagedCheckpoint(str(e)) from None
     wrong = not isinstance(content, dict) or any(not isinstance(content.get(k), t) for k, t in (keys or {}).items())
     if wrong:

@@ -39,15 +39,8 @@ class Malformed(ValueError):
 # ------------------------------------------------------------------------------------------------------ files
 
 
-def read_text(path: str | Path, what: str = "file") -> str:
-    """The text of a regular file, strict UTF-8; `what` names it in errors ("config file", "stage record")."""
-    try:
-        return _decode(read_bytes(path, what))
-    except Malformed as e:
-        raise UserError(f"{what} {path}: {e}") from None
-
-
 def read_bytes(path: str | Path, what: str = "file") -> bytes:
+    """The bytes of a regular file; `what` names it in errors ("config file", "stage record")."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once and is refused below
     except FileNotFoundError:
