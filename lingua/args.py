@@ -25,13 +25,11 @@ from typing import Any, TypeVar
 
 import yaml
 
+from lingua import untrusted
+from lingua.errors import UserError
 from lingua.files import atomic_write
 
 T = TypeVar("T")
-
-
-class UserError(Exception):
-    """A mistake the user can fix (bad config, missing file); entry points print it on one line and exit 2."""
 
 
 class HelpRequested(Exception):
@@ -110,7 +108,7 @@ def parse_assignment(arg: str) -> tuple[str, Any]:
     key, sep, value = arg.partition("=")
     if not sep or not key:
         raise UserError(f"expected key=value, got '{arg}'")
-    return key, yaml.safe_load(value) if value else ""
+    return key, untrusted.parse_value(value, f"the value of config key '{key}'") if value else ""
 
 
 def from_dict(cls: type[T], tree: dict[str, Any], prefix: str = "") -> T:
@@ -237,29 +235,9 @@ def dump_config(cfg: Any, path: str | Path) -> None:
     atomic_write(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
-def read_yaml(path: str) -> dict[str, Any]:
+def read_yaml(path: str | Path) -> dict[str, Any]:
     """A YAML config file's top-level mapping ({} when empty); what cannot be read is a one-line UserError."""
-    try:
-        tree = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"config file not found: {path}") from None
-    except IsADirectoryError:
-        raise UserError(f"config file {path} is a folder, not a YAML file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read config file {path}: {getattr(e, 'strerror', None) or e}") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
-    if tree is None:
-        return {}
-    if not isinstance(tree, dict):
-        raise UserError(f"config file {path} must hold a mapping at its top level")
-    return tree
-
-
-def _yaml_problem(error: yaml.YAMLError) -> str:
-    mark = getattr(error, "problem_mark", None)
-    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
+    return untrusted.read_yaml(path, "config file")
 
 
 def _merge(base: dict, update: dict) -> dict:

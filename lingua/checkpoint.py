@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from lingua import safe_dcp
+from lingua import safe_dcp, untrusted
 from lingua.app import App, build_model, trusted_app
 from lingua.args import UserError, at_least, from_dict
 from lingua.distributed import all_reduce, fail_together, on_rank_zero, rank_and_world
@@ -165,11 +165,15 @@ def _dcp_quietly():
 def _read_json(path: Path, keys: dict[str, type] | None = None) -> dict:
     """A JSON object with the given keys of the given types, else DamagedCheckpoint."""
     try:
-        content = json.loads(regular_file(path, inside=path.parent).read_text())
+        data = regular_file(path, inside=path.parent).read_bytes()
     except RefusedFile as e:
         raise DamagedCheckpoint(str(e)) from None
-    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except FileNotFoundError as e:  # any other OSError is no proof of damage: the caller reads again (read_error)
         raise DamagedCheckpoint(f"{path.name}: {short_reason(e)}") from None
+    try:
+        content = untrusted.parse_json(data)
+    except untrusted.Malformed as e:
+        raise DamagedCheckpoint(f"{path.name}: {e}") from None
     wrong = not isinstance(content, dict) or any(not isinstance(content.get(k), t) for k, t in (keys or {}).items())
     if wrong:
         raise DamagedCheckpoint(f"{path.name} does not hold {', '.join(keys or {}) or 'a JSON object'}")

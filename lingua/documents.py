@@ -4,7 +4,7 @@ Its own file because every reader of rows shares it: the training stream (lingua
 rows (lingua/validation_rows.py), the GLUE TSV files (lingua/eval/glue_data.py) and the contrastive pairs.
 """
 
-import json
+from lingua.untrusted import Malformed, parse_json
 
 
 class SkippedRows:
@@ -31,13 +31,9 @@ def read_document(tokenizer, line: bytes) -> list[int]:
     if not line.strip():
         raise MalformedLine("an empty line")
     try:
-        doc = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise MalformedLine("not UTF-8") from None
-    except RecursionError:
-        raise MalformedLine("JSON nested too deeply") from None
-    except ValueError as e:  # bad JSON, or a number past the digit limit (whose advice is for programmers)
-        raise MalformedLine(f"not JSON: {str(e).splitlines()[0].split(';')[0]}") from None
+        doc = parse_json(line)
+    except Malformed as e:  # bad UTF-8 or JSON, a number past the digit limit, nesting
+        raise MalformedLine(str(e)) from None
     text = doc.get("text") if isinstance(doc, dict) else None
     if not isinstance(text, str):
         raise MalformedLine('no "text" string in it')

@@ -5,10 +5,11 @@ Its own file because the card is prose about the run (its metrics.jsonl and glue
 from the files that the libraries load (lingua/export.py).
 """
 
-import json
 import logging
 from pathlib import Path
 
+from lingua import untrusted
+from lingua.args import UserError
 from lingua.embed import Embedder
 from lingua.eval.report import format_table
 from lingua.run_folder import RunFolder
@@ -24,8 +25,8 @@ def last_metrics(run: RunFolder) -> dict | None:
         return None
     for line in reversed(lines):
         try:
-            record = json.loads(line)
-        except ValueError:
+            record = untrusted.parse_json(line)
+        except untrusted.Malformed:
             continue
         if isinstance(record, dict) and "data_tokens" in record:
             return record
@@ -38,8 +39,9 @@ def probe_tables(run: RunFolder) -> list[str]:
     tables = []
     for path in run.evaluation_results("glue"):
         try:
-            tables.append(f"`{path.parent.name}`:\n\n```\n{format_table(json.loads(path.read_text()))}\n```")
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            table = format_table(untrusted.read_json(path, "GLUE results"))
+            tables.append(f"`{path.parent.name}`:\n\n```\n{table}\n```")
+        except (UserError, KeyError, TypeError) as e:
             logger.warning(f"model card: {path} left out ({type(e).__name__}: {e})")
     return tables
 

@@ -17,6 +17,7 @@ from typing import Any
 from lingua.args import UserError, at_least, require
 from lingua.files import atomic_write, fsync_dir
 from lingua.run_folder import JOB_RECORD
+from lingua.untrusted import read_json
 
 CODE_PACKAGES = ("lingua", "apps", "tools")  # copied whole (configs, data files) into each submission's code/HASH
 CLUSTERS = ("slurm", "local")
@@ -139,8 +140,8 @@ def read_job_record(folder: Path) -> tuple[dict[str, Any] | None, str]:
     if not path.exists():
         return None, ""
     try:
-        record = json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        record = read_json(path, "job record")
+    except UserError:
         record = None
     if not isinstance(record, dict) or not JOB_ID.fullmatch(str(record.get("job_id", ""))):
         return None, f"unreadable job record ({path})"

@@ -1,6 +1,7 @@
 """Run metrics: one JSON line per logged step in DUMP_DIR/metrics.jsonl, readable progress lines, optional wandb."""
 
 import contextlib
+import importlib.util
 import json
 import logging
 import resource
@@ -15,6 +16,7 @@ import torch
 from lingua.args import UserError, at_least, require
 from lingua.distributed import all_reduce, rank_and_world
 from lingua.files import Fence, atomic_write, open_appending, refuse_link, unfenced
+from lingua.untrusted import Malformed, parse_json
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +31,12 @@ class LoggingArgs:
         at_least(self, 1, "freq")
         require(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops",
                 f"must be > 0, got {self.peak_tflops}")
+
+
+def check_logging(args: LoggingArgs) -> None:
+    """What the config asks of the installed packages, checked with the config (wandb starts only after start-up)."""
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise UserError("logging.wandb_project is set but wandb is not installed: pip install wandb, or unset it")
 
 
 # Dense (not 2:4 sparse) bf16 tensor-core peaks from the vendors' data sheets, matched in this order against
@@ -169,10 +177,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def _record(line: str) -> dict[str, Any] | None:
     try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):  # not JSON, or nested too deep to parse
+        return parse_json(line, dict)
+    except Malformed:  # not a JSON object, or nested too deep to parse
         return None
-    return record if isinstance(record, dict) else None
 
 
 def _step_of(line: str, default: int) -> int:

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lingua import untrusted
+from lingua.args import UserError
 from lingua.files import atomic_write
 from lingua.launcher import read_job_record
 from lingua.lifecycle import boot_id, process_start
@@ -162,10 +164,9 @@ def state_of(dump_dir: Path, stage: Stage, states: dict[str, str]) -> str:
 def read_json(path: Path) -> dict[str, Any] | None:
     """A stage's record (a JSON object), or None: absent, or not one (half-written by hand, say)."""
     try:
-        record = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return untrusted.read_json(path, "stage record")
+    except UserError:
         return None
-    return record if isinstance(record, dict) else None
 
 
 def _alive(started: dict[str, Any] | None) -> bool:

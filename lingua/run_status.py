@@ -3,18 +3,16 @@
 one row per run of a sweep. Its own file: it only reads folders, whoever wrote them, and submits nothing.
 """
 
-import json
 import pickle
 import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lingua.args import UserError
 from lingua.launcher import read_job_record
 from lingua.metrics import read_metrics
 from lingua.run_folder import SUBMITIT, SWEEP_RECORD, RunFolder
+from lingua.untrusted import read_json, read_yaml
 
 
 def describe(dump_dir: Path) -> dict[str, Any]:
@@ -49,10 +47,9 @@ def describe(dump_dir: Path) -> dict[str, Any]:
 def _read_yaml_mapping(path: Path) -> dict[str, Any]:
     """A YAML file's mapping; {} when it is absent, not a mapping or does not parse."""
     try:
-        tree = yaml.safe_load(path.read_text()) if path.is_file() else {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return read_yaml(path, "run config") if path.is_file() else {}
+    except UserError:
         return {}
-    return tree if isinstance(tree, dict) else {}
 
 
 def _newer_log(dump_dir: Path) -> bool:
@@ -125,8 +122,8 @@ def sweep_runs(folder: Path) -> list[str]:
     """The run names of a sweep's sweep.json, each a folder directly inside the sweep's."""
     path = folder / SWEEP_RECORD
     try:
-        runs = json.loads(path.read_text()).get("runs") if path.is_file() else None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        runs = read_json(path, "sweep record").get("runs")
+    except UserError:
         runs = None
     if not isinstance(runs, list) or not all(map(is_folder_name, runs)):
         raise UserError(f"{path} is not a sweep record (a JSON object whose runs are names of folders in it)")

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import os
 import shlex
 import signal
 import sys
@@ -43,7 +44,7 @@ from typing import Any
 
 import yaml
 
-from lingua import pipeline
+from lingua import pipeline, untrusted
 from lingua.app import load_app
 from lingua.args import UserError, command_line, from_dict, load_config, parse_assignment, read_yaml, set_dotted
 from lingua.files import atomic_write
@@ -58,6 +59,7 @@ from lingua.launcher import (
 from lingua.run_folder import CODE, PIPELINE_RECORD, SUBMITIT, SWEEP_RECORD, RunFolder
 from lingua.run_status import describe, format_status, is_folder_name, status_rows
 
+LOCAL_CONTROLLERS_LOG = "local_controllers.log"  # in the submitit folder: what submitit's local controllers print
 PATH_KEYS = ("dump_dir", "data.root_dir", "data.path", "data.tokenizer.path", "init_from", "eval.data")  # made absolute
 
 
@@ -161,7 +163,7 @@ def prepare(run: PlannedRun) -> None:
     steps from epochs), so submitting the same run again compares what was submitted, not what the run wrote."""
     run.dump_dir.mkdir(parents=True, exist_ok=True)
     submitted = RunFolder(run.dump_dir).submitted
-    if submitted.exists() and yaml.safe_load(submitted.read_text()) != run.config:
+    if submitted.exists() and untrusted.read_yaml(submitted, "submitted config") != run.config:
         raise UserError(f"{run.dump_dir} already holds a run submitted with another config: use another dump_dir")
     atomic_write(submitted, yaml.safe_dump(run.config, sort_keys=False))
 
@@ -192,7 +194,8 @@ def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
     for start in range(0, len(runs), args.parallel):
         jobs: list = []
         with _cancelled_when_interrupted(jobs):
-            wave = [(run, _submit_one(executor, run, code)) for run in runs[start:start + args.parallel]]
+            with _stderr_into(folder / SUBMITIT / LOCAL_CONTROLLERS_LOG):
+                wave = [(run, _submit_one(executor, run, code)) for run in runs[start:start + args.parallel]]
             jobs += [job for _, job in wave]
             for run, job in wave:
                 _record(run, job, code)
@@ -204,6 +207,24 @@ def submit(runs: list[PlannedRun], args: LauncherArgs, folder: Path) -> None:
     if failed:  # the others ran: a script that runs stool stops here rather than go on without these results
         raise UserError(f"{len(failed)} of {len(runs)} local run(s) failed ({', '.join(failed)}): "
                         f"python -m lingua.stool status {folder} tells why")
+
+
+@contextlib.contextmanager
+def _stderr_into(path: Path):
+    """Processes started inside write their stderr into `path`, never through a link: submitit's local job
+    controllers, which print a KeyboardInterrupt traceback when their job is cancelled or the terminal's Ctrl-C
+    reaches them (stool then prints one line; their jobs' own output goes to their log files)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved, log = os.dup(2), os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    try:
+        os.dup2(log, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(log)
 
 
 class _Terminated(Exception):

@@ -58,11 +58,13 @@ from lingua.lifecycle import (
     requeue_slurm_job,
     stop_signals_held_for_the_main_thread,
 )
+from lingua.memory import memory_shortfall
 from lingua.metrics import (
     LoggingArgs,
     MetricLogger,
     Throughput,
     Window,
+    check_logging,
     format_progress,
     peak_flops,
     peak_memory_gib,
@@ -135,6 +137,7 @@ def train(app: App, config) -> dict[str, Any]:
         init_process_group(launch, device, config.distributed.timeout_minutes)
         activity = Activity("the start-up")
         try:
+            fail_together(memory_shortfall(app, config, device, launch))  # before anything is allocated or written
             run = RunFolder(Path(config.dump_dir))
             on_rank_zero(lambda: _make_folder(run.root))
             with RunLock(run.root) as lock:
@@ -154,6 +157,7 @@ def resolve_config(app: App, config, start: Start):
     init_from), checked before anything starts. The caller's config is left as it is."""
     if app.configure is not None:
         config = app.configure(config, start)
+    check_logging(config.logging)
     if config.data.seq_len > config.model.encoder.max_seqlen:
         raise UserError(f"data.seq_len ({config.data.seq_len}) exceeds model.encoder.max_seqlen "
                         f"({config.model.encoder.max_seqlen}), the length of the position table")

@@ -15,6 +15,7 @@ import abc
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lingua.args import at_least, require
+from lingua.args import ConfigError, at_least, require
 from lingua.masking import chunked_lm_loss, masked_lm_loss
 
 
@@ -56,6 +57,18 @@ class TransformerArgs:
                 f"must be one of {', '.join(ATTN_BACKENDS)}, got '{self.attn_backend}'")
         require(self.head_dim is not None or self.dim % self.n_heads == 0, "dim",
                 f"{self.dim} is not divisible by n_heads {self.n_heads}; set head_dim")
+        require(head_dim_of(self) % 2 == 0, "head_dim" if self.head_dim else "dim",
+                f"gives heads of {head_dim_of(self)} dimensions, an odd number: rotary embeddings turn pairs of them")
+
+
+def check_sub_network(name: str, shape: Callable[[], TransformerArgs]) -> None:
+    """Checks, with its owner's config, the blocks of a sub-network whose shape follows from the owner's (the
+    predictor's, the generator's, a pooler's): a problem is named by the owner's key `name`, before any weight
+    exists."""
+    try:
+        shape()
+    except ConfigError as e:
+        raise ConfigError(name, f"makes a {name} whose {e.key} {e.problem}") from None
 
 
 def sub_network(encoder: TransformerArgs, n_layers: int, dim: int | None = None, n_heads: int | None = None,

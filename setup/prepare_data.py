@@ -53,6 +53,7 @@ from lingua import written_folder
 from lingua.args import UserError
 from lingua.files import fsync_dir
 from lingua.tokenizer import sha256_of
+from lingua.untrusted import Malformed, parse_json
 
 MARKER = "prepared.json"  # in every folder this script writes: the files that --overwrite may replace
 WRITTEN_BY = "setup/prepare_data.py"
@@ -225,8 +226,8 @@ def jsonl_documents(path: Path, text_field: str, skipped: Skipped) -> Iterator[s
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
-                except ValueError:
+                    row = parse_json(line)
+                except Malformed:  # not JSON, a number past the digit limit, absurd nesting
                     skipped.add(f"{path}:{lineno}", "invalid JSON")
                     continue
                 doc = clean(row.get(text_field)) if isinstance(row, dict) else None

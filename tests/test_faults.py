@@ -314,8 +314,8 @@ def test_bad_config_files_are_one_line_errors(corpus, tmp_path, capsys):
     broken = tmp_path / "broken.yaml"
     broken.write_text("steps: 2\noptim:\n  lr: [1e-3\n")
     for path, message in [
-        (tmp_path, "is a folder, not a YAML file"),
-        (broken, "is not valid YAML: expected ',' or ']', but got '<stream end>' at line 4, column 1"),
+        (tmp_path, "is a folder, not a file"),
+        (broken, ": not valid YAML: expected ',' or ']', but got '<stream end>' at line 4, column 1"),
     ]:
         status, err = run_main([f"config={path}"] + tiny_argv(corpus, tmp_path / "run", 2), capsys)
         assert status == 2

@@ -14,7 +14,8 @@ import torch
 from apps.crossbert.train import APP as CROSSBERT
 from apps.finetune import train as finetune
 from apps.finetune.data import GlueDataArgs, GlueLoader, check_splits, decode_labels, label_codes, read_split
-from lingua.args import UserError, load_config, to_dict
+from apps.finetune.train import FinetuneTrainArgs
+from lingua.args import UserError, from_dict, load_config, to_dict
 from lingua.checkpoint import Checkpoint, load_model
 from lingua.eval.glue_data import TASKS
 from lingua.resume import open_start
@@ -327,9 +328,9 @@ def test_init_from_is_opened_once_and_configure_reads_no_file(pretrained, tmp_pa
 
 def _made_up_run(folder: Path, model: Path, task: str, lr: float, seed: int, score: float) -> None:
     folder.mkdir(parents=True)
-    config = {"init_from": str(model), "origin": str(model), "seed": seed, "epochs": 3, "data": {"task": task},
-              "optim": {"lr": lr}, "validation": {"every": 10}}
-    (folder / "config.yaml").write_text(json.dumps(config))
+    config = {"dump_dir": str(folder), "init_from": str(model), "origin": str(model), "seed": seed, "epochs": 3,
+              "data": {"task": task}, "optim": {"lr": lr}, "validation": {"every": 10}}
+    (folder / "config.yaml").write_text(json.dumps(to_dict(from_dict(FinetuneTrainArgs, config))))  # as a run writes it
     (folder / "best.json").write_text(json.dumps({"step": 20, "val/score": score}))
     (folder / "consolidated.pt").write_bytes(b"")  # finished
 

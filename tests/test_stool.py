@@ -169,6 +169,25 @@ def test_a_stopped_local_sweep_leaves_no_job_running(tmp_path, corpus):
     assert left == []
 
 
+def test_ctrl_c_on_a_local_sweep_prints_one_line(tmp_path, corpus):
+    """Ctrl-C reaches the terminal's whole process group, submitit's local job controllers too: their tracebacks
+    went to the terminal before stool's line."""
+    overrides = dict(arg.split("=", 1) for arg in tiny_argv(corpus, tmp_path / "unused", 100_000)[1:])
+    sweep = write_sweep(tmp_path, corpus, overrides=overrides, launcher={"cluster": "local", "parallel": 2})
+    proc = start([sys.executable, "-m", "lingua.stool", "sweep", f"sweep={sweep}"], stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        runs = [tmp_path / "sweep" / name / "metrics.jsonl" for name in ("lr0.001", "lr0.003")]
+        while time.time() < deadline and not all(path.exists() for path in runs):
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # as the terminal sends it
+        _, err = proc.communicate(timeout=60)
+    finally:
+        end(proc)
+    assert proc.returncode == 2 and err == "error: stopped: 2 local job(s) cancelled; the same command resumes them\n"
+
+
 def test_status_tells_failed_missing_and_pending_runs(tmp_path, capsys):
     root = tmp_path / "sweep"
     (root / "failed").mkdir(parents=True)

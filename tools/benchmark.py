@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-import yaml
 
+from lingua import untrusted
 from lingua.app import app_variant, build_model, load_app
 from lingua.args import UserError, at_least, command_line, load_config, require, to_dict
 from lingua.distributed import DistributedArgs, Launch, resolve_device
@@ -155,7 +155,7 @@ def build_contender_model(label: str, args: BenchmarkArgs, device: torch.device)
             layer.compile()  # as the apps' blocks
         return model
     paper_config = load_app(name).config("single_scale")
-    base = yaml.safe_load(paper_config.read_text())["model"] if args.preset == "paper" and paper_config else {}
+    base = untrusted.read_yaml(paper_config, "config file")["model"] if args.preset == "paper" and paper_config else {}
     app, model_args = app_variant(label, base | {"encoder": to_dict(args.encoder)})
     tokenizer = SimpleNamespace(vocab_size=args.vocab_size, mask_id=args.vocab_size - 1)
     parallel = (DistributedArgs(compile=args.compile), Launch())

@@ -4,12 +4,12 @@ sweeps' chosen scores and its MTEB results, gathered into a Variant. Its own fil
 apart from laying the tables out.
 """
 
-import json
 import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from lingua import untrusted
 from lingua.args import UserError
 from lingua.metrics import read_metrics
 from lingua.run_folder import PIPELINE_RECORD, RESULTS, RunFolder
@@ -43,7 +43,7 @@ def layer_scores(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
     path = folder / RESULTS
     if not path.exists():
         return {}
-    summary = json.loads(path.read_text())["summary"]
+    summary = untrusted.read_json(path, "GLUE results")["summary"]
     return {layer: {probe: {t: s for t, s in scores.items() if t != "avg"} for probe, scores in summary[layer].items()}
             for layer in sorted(summary, key=lambda name: (name == "last", int(name) if name.isdigit() else 0))}
 
@@ -65,7 +65,7 @@ def mteb_results(folder: Path) -> dict[tuple[str, str], dict]:
     for path in sorted(folder.glob(f"mteb_*/{RESULTS}")):
         protocol = path.parent.name.rsplit("_", 1)[-1]
         if protocol in ("frozen", "full"):
-            results = json.loads(path.read_text())
+            results = untrusted.read_json(path, "MTEB results")
             sections[(benchmark_of(results), protocol)] = results
     return sections
 
@@ -94,7 +94,7 @@ def read_pipeline(folder: Path) -> list[Variant]:
     record = folder / PIPELINE_RECORD
     if not record.exists():
         raise UserError(f"{folder} holds no pipeline (pipeline.json): python -m lingua.stool pipeline writes it")
-    variants = json.loads(record.read_text())["variants"]
+    variants = untrusted.read_json(record, "pipeline record")["variants"]
     return [Variant(name, keys, pretraining(folder / name / "pretrain"), probe_scores(folder / name / "probes"),
                     layer_scores(folder / name / "probes_layers"), finetune_scores(folder / name),
                     mteb_results(folder / name))

@@ -5,13 +5,11 @@ them. tools.scaling's fit and table and tools.scaling_plots all read runs throug
 
 import contextlib
 import glob
-import json
 import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from lingua import untrusted
 from lingua.app import short_name
 from lingua.args import UserError, require
 from lingua.checkpoint import Checkpoint
@@ -48,7 +46,7 @@ def run_dirs(spec: str) -> list[Path]:
 
 def read_run(dump_dir: Path) -> dict[str, Any]:
     """What the fits and plots need from one run's dump_dir."""
-    config = yaml.safe_load(RunFolder(dump_dir).config.read_text())
+    config = untrusted.read_yaml(RunFolder(dump_dir).config, "run config")
     train, val, probed = [], [], []
     for record in read_metrics(RunFolder(dump_dir).metrics):
         is_probe = any(key.startswith("glue/") for key in record)
@@ -111,7 +109,7 @@ def _probe_results(dump_dir: Path) -> dict[str, dict[str, float]]:
     results = sorted(RunFolder(dump_dir).evaluation_results("glue"), key=lambda p: p.stat().st_mtime)
     if not results:
         return {}
-    return json.loads(results[-1].read_text())["summary"].get("last", {})
+    return untrusted.read_json(results[-1], "GLUE results")["summary"].get("last", {})
 
 
 def _mteb_results(dump_dir: Path) -> dict[str, dict[str, float]]:
@@ -120,7 +118,7 @@ def _mteb_results(dump_dir: Path) -> dict[str, dict[str, float]]:
     out=DUMP_DIR/mteb_eval/NAME)."""
     found: dict[str, dict[str, float]] = {}
     for path in sorted(RunFolder(dump_dir).evaluation_results("mteb"), key=lambda p: p.stat().st_mtime):
-        results = json.loads(path.read_text())
+        results = untrusted.read_json(path, "MTEB results")
         found[benchmark_of(results)] = results["summary"]
     return found
 

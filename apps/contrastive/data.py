@@ -12,7 +12,6 @@ permutation; a step takes the next batch_size x world_size lines, rank r its r-t
 used) is the same on every rank, so resuming is exact on any number of ranks.
 """
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from lingua.args import UserError, at_least
 from lingua.documents import SkippedRows
 from lingua.tokenizer import TokenizerArgs
+from lingua.untrusted import Malformed, parse_json
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +51,8 @@ def row_shape(args: TripletDataArgs) -> tuple[int, int]:
 def parse_triplet(line: bytes, n_negatives: int) -> list[str] | None:
     """[query, positive, negative_1..n] from one line, or None when it is not a usable triplet."""
     try:
-        item = json.loads(line)
-    except (ValueError, RecursionError):  # bad JSON or UTF-8, a number past the digit limit, absurd nesting
-        return None
-    if not isinstance(item, dict):
+        item = parse_json(line, dict)
+    except Malformed:  # bad JSON or UTF-8, a number past the digit limit, absurd nesting, not an object
         return None
     texts = [item.get("query"), item.get("positive")]
     negatives = item.get("negatives", [])

@@ -35,7 +35,7 @@ from lingua.args import require
 from lingua.flops import encoder_flops_per_token
 from lingua.pooler import AttentionPooler, PoolerArgs, mean_pool_normalised, pooler_transformer
 from lingua.pretrained import adopt_pretrained
-from lingua.transformer import Encoder, TransformerArgs, head_dim_of
+from lingua.transformer import Encoder, TransformerArgs, check_sub_network, head_dim_of
 
 LOSSES = ("simclr", "eq5")
 DEFAULT_TEMPERATURE = 0.05
@@ -54,6 +54,8 @@ class ContrastiveArgs:
         require(self.loss in LOSSES, "loss", f"must be one of {', '.join(LOSSES)}, got '{self.loss}'")
         require(self.loss != "eq5" or self.temperature == DEFAULT_TEMPERATURE, "temperature",
                 f"is not used by loss=eq5 (raw cosine logits, eq. 5 as written), got {self.temperature}: unset it")
+        if self.pooler.kind == "attention":
+            check_sub_network("pooler", lambda: pooler_transformer(self.pooler, self.encoder))
 
 
 def info_nce(queries: torch.Tensor, passages: torch.Tensor, targets: torch.Tensor, temperature: float):

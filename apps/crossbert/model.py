@@ -35,6 +35,7 @@ from lingua.transformer import (
     Segments,
     TransformerArgs,
     build_attn_bias,
+    check_sub_network,
     head_dim_of,
     quarter_depth,
     sub_network,
@@ -74,6 +75,7 @@ class CrossBertArgs:
         require(0 < self.mask_ratio < 1, "mask_ratio", f"must be strictly between 0 and 1, got {self.mask_ratio}")
         require(self.cms_attention in CMS_ATTENTION, "cms_attention",
                 f"must be one of {', '.join(CMS_ATTENTION)}, got '{self.cms_attention}'")
+        check_sub_network("predictor", self.predictor_transformer)
 
     def predictor_transformer(self) -> TransformerArgs:
         """The predictor's block shapes and RoPE base; norms, init and attention backend are the encoder's."""

@@ -29,6 +29,7 @@ from lingua.transformer import (
     RotaryEmbedding,
     SelfAttentionBlock,
     TransformerArgs,
+    check_sub_network,
     default_positions,
     head_dim_of,
     quarter_depth,
@@ -59,6 +60,7 @@ class ElectraArgs:
     def __post_init__(self):
         require(0 < self.mask_ratio < 1, "mask_ratio", f"must be strictly between 0 and 1, got {self.mask_ratio}")
         require(self.rtd_weight >= 0, "rtd_weight", f"must be >= 0, got {self.rtd_weight}")
+        check_sub_network("generator", self.generator_transformer)
 
     def generator_transformer(self) -> TransformerArgs:
         return sub_network(self.encoder, self.generator.n_layers or quarter_depth(self.encoder),

@@ -21,7 +21,7 @@ from lingua.args import at_least, require
 from lingua.eval.features import mean_pool
 from lingua.flops import encoder_flops_per_token
 from lingua.pooler import AttentionPooler, PoolerArgs, pooler_transformer
-from lingua.transformer import Encoder, TransformerArgs
+from lingua.transformer import Encoder, TransformerArgs, check_sub_network
 
 POOLINGS = ("mean", "first", "attention")
 
@@ -36,6 +36,8 @@ class FinetuneArgs:
     def __post_init__(self):
         require(self.pooling in POOLINGS, "pooling", f"must be one of {', '.join(POOLINGS)}, got '{self.pooling}'")
         at_least(self, 1, "num_labels")
+        if self.pooling == "attention":
+            check_sub_network("pooler", lambda: pooler_transformer(self.pooler, self.encoder))
 
     @property
     def regression(self) -> bool:

@@ -19,7 +19,6 @@ Protocol (BEIR's, as computed by pytrec_eval / trec_eval):
 - each is a mean over the queries with a relevant document; `evaluate_retrieval` reports them in percent.
 """
 
-import json
 import logging
 import math
 import time
@@ -30,6 +29,7 @@ from typing import Protocol
 import torch
 
 from lingua.args import UserError
+from lingua.untrusted import parse_json_line
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _read_records(path: Path, title: bool) -> Iterator[tuple[str, str]]:
     for line_no, line in numbered_lines(path):
         if not line.strip():
             continue
-        record = json_object(path, line_no, line)
+        record = parse_json_line(path, line_no, line)
         record_id, text = record.get("_id"), record.get("text")
         if not isinstance(record_id, (str, int)) or isinstance(record_id, bool) or str(record_id) == "":
             raise UserError(f"{path}:{line_no}: '_id' must be a non-empty string, got {record_id!r}")
@@ -116,17 +116,6 @@ def _read_records(path: Path, title: bool) -> Iterator[tuple[str, str]]:
             raise UserError(f"{path}:{line_no}: duplicate _id {record_id!r}")
         seen.add(record_id)
         yield record_id, f"{heading} {text}" if heading else text
-
-
-def json_object(path: str | Path, line_no: int, line: str) -> dict:
-    """One JSONL line that must be a JSON object, else a UserError naming path:line."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-    if not isinstance(record, dict):
-        raise UserError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
-    return record
 
 
 def numbered_lines(path: str | Path) -> Iterator[tuple[int, str]]:

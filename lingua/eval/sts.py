@@ -18,7 +18,6 @@ JSONL files are ignored.
 "SICK/test", or by their path for a JSONL file ("mydata/dev" for mydata/dev.jsonl).
 """
 
-import json
 import logging
 import math
 import re
@@ -28,7 +27,8 @@ import torch
 from scipy import stats
 
 from lingua.args import UserError
-from lingua.eval.retrieval import Embedder, encode_texts, json_object, numbered_lines
+from lingua.eval.retrieval import Embedder, encode_texts, numbered_lines
+from lingua.untrusted import Malformed, parse_json, parse_json_line
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def read_sts_jsonl(path: str | Path) -> list[Pair]:
 
 
 def _jsonl_pair(path: str | Path, line_no: int, line: str) -> Pair:
-    record = json_object(path, line_no, line)
+    record = parse_json_line(path, line_no, line)
     a, b, score = record.get("sentence1"), record.get("sentence2"), record.get("score")
     if not isinstance(a, str) or not isinstance(b, str):
         raise UserError(f"{path}:{line_no}: 'sentence1' and 'sentence2' must be strings")
@@ -183,8 +183,8 @@ def _looks_like_sts_jsonl(path: Path) -> bool:
     other JSONL files, e.g. a BEIR corpus)."""
     first = next((line for _, line in numbered_lines(path)), "")
     try:
-        record = json.loads(first)
-    except json.JSONDecodeError:
+        record = parse_json(first, dict)
+    except Malformed:
         return False
     return isinstance(record, dict) and {"sentence1", "sentence2", "score"} <= record.keys()
 

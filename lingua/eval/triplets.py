@@ -35,9 +35,10 @@ import numpy as np
 from scipy import sparse
 
 from lingua.args import UserError, at_least, command_line, load_config, require
-from lingua.eval.retrieval import Embedder, Qrels, Ranking, dense_search, json_object, load_beir, numbered_lines
+from lingua.eval.retrieval import Embedder, Qrels, Ranking, dense_search, load_beir, numbered_lines
 from lingua.files import atomic_write
 from lingua.metrics import setup_logging
+from lingua.untrusted import parse_json_line
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ def read_triplets(path: str | Path) -> list[Triplet]:
 
 
 def _parse_triplet(path: str | Path, line_no: int, line: str) -> Triplet:
-    record = json_object(path, line_no, line)
+    record = parse_json_line(path, line_no, line)
     for key in ("query", "positive"):
         if not isinstance(record.get(key), str) or not record[key]:
             raise UserError(f"{path}:{line_no}: '{key}' must be a non-empty string, got {record.get(key)!r}")

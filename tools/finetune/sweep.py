@@ -24,7 +24,7 @@ from lingua.eval.glue_data import TASKS
 from lingua.files import atomic_write
 from lingua.launcher import split_arguments
 from lingua.run_folder import RunFolder
-from tools.finetune.table import choose, read_results
+from tools.finetune.table import choose, finetune_config, read_results
 
 STARTED_FROM_MNLI = ("rte", "mrpc", "stsb")  # RoBERTa's and ModernBERT's protocol
 
@@ -69,7 +69,7 @@ def best_mnli_run(folder: Path) -> Path:
     """best.pt of the MNLI run with the highest dev score at the learning rate chosen on dev (tools.finetune.table)."""
     finished, unfinished = read_results([folder])
     results = [r for r in finished if r.task == "mnli"]
-    if any((yaml.safe_load(RunFolder(run).config.read_text()) or {})["data"]["task"] == "mnli" for run in unfinished):
+    if any(finetune_config(RunFolder(run).config).data.task == "mnli" for run in unfinished):
         raise UserError(f"mnli_from: {folder} has MNLI runs that have not finished")
     if not results:
         raise UserError(f"mnli_from: no finished MNLI run under {folder}")

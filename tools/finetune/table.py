@@ -17,10 +17,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from apps.finetune.train import FinetuneTrainArgs
+from lingua import untrusted
 from lingua.app import load_app, shipped_module, short_name
-from lingua.args import UserError, command_line
+from lingua.args import UserError, command_line, from_dict
 from lingua.checkpoint import Checkpoint
 from lingua.eval.glue_data import TASKS
 from lingua.files import atomic_write
@@ -44,17 +44,30 @@ def read_results(folders: list[Path]) -> tuple[list[Result], list[Path]]:
     results, unfinished = [], []
     for config_file in sorted(p for folder in folders for p in folder.rglob(CONFIG)):
         run = RunFolder(config_file.parent)
-        config = yaml.safe_load(config_file.read_text()) or {}
-        if "epochs" not in config or "task" not in config.get("data", {}):
-            continue  # not a fine-tuning run
+        config = finetune_config(config_file)
+        if config is None:
+            continue
         if not run.finished:
             unfinished.append(run.root)
             continue
-        best = json.loads(run.best_record.read_text())
-        epoch = best["step"] // config["validation"]["every"]
-        results.append(Result(config["origin"] or "(random initialisation)", config["data"]["task"],
-                              float(config["optim"]["lr"]), config["seed"], best["val/score"], epoch, run.root))
+        best = untrusted.read_json(run.best_record, "best record")
+        if not isinstance(best.get("step"), int) or not isinstance(best.get("val/score"), (int, float)):
+            raise UserError(f"best record {run.best_record} does not hold step and val/score")
+        epoch = best["step"] // config.validation.every
+        results.append(Result(config.origin or "(random initialisation)", config.data.task, config.optim.lr,
+                              config.seed, best["val/score"], epoch, run.root))
     return results, unfinished
+
+
+def finetune_config(config_file: Path) -> FinetuneTrainArgs | None:
+    """A fine-tuning run's config (checked as the app checks it), or None for another app's run (no `epochs`)."""
+    tree = untrusted.read_yaml(config_file, "run config")
+    if "epochs" not in tree:
+        return None
+    try:
+        return from_dict(FinetuneTrainArgs, tree)
+    except UserError as e:
+        raise UserError(f"run config {config_file} is not a fine-tuning run's: {e}") from None
 
 
 def choose(results: list[Result]) -> dict[str, dict[str, dict]]:
@@ -84,7 +97,7 @@ def paper_app(model: str) -> str | None:
     single_scale = load_app(module).config("single_scale") if name in GLUE_FINETUNE else None
     if single_scale is None:
         return None
-    paper = yaml.safe_load(single_scale.read_text())["model"]["encoder"]
+    paper = untrusted.read_yaml(single_scale, "config file")["model"]["encoder"]
     ours = checkpoint.config["model"]["encoder"]
     return name if all(ours.get(key) == paper[key] for key in ("dim", "n_layers", "n_heads")) else None
 

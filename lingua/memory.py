@@ -1,0 +1,89 @@
+"""The memory a run needs, estimated from its config before anything is allocated, so that a config this machine
+cannot hold is refused in one line at the start instead of filling the memory (a batch of 10^9 rows took a machine
+down, past `timeout`).
+
+The estimate is a lower bound, per process: what a training step cannot do without. It never refuses a config that
+would fit; it refuses the ones that cannot. Per process:
+
+- weights and optimizer: 16 bytes a parameter (fp32 weights, their gradients, AdamW's two moments), split over the
+  processes when FSDP shards them;
+- the batch, on the host (the loader builds it there): 8 bytes a token (int64), and 8 more a row for the draw of
+  its sources; the validation rows, held from the start;
+- activations, on the device: each block's input kept for the backward (2 bytes a value at least, as in bf16), for
+  the micro-batch's tokens; and the batch itself copied to the device.
+
+Available: the device's free memory (torch.cuda.mem_get_info), or the host's (MemAvailable in /proc/meminfo)
+shared by the processes of this node.
+"""
+
+import math
+from pathlib import Path
+
+import torch
+
+from lingua.app import App
+from lingua.distributed import Launch
+from lingua.flops import count_params
+from lingua.tokenizer import build_tokenizer
+
+GIB = 2**30
+OPTIMIZER_BYTES = 16  # per parameter: fp32 weight, gradient, AdamW's exp_avg and exp_avg_sq
+TOKEN_BYTES = 8  # int64 token ids
+ACTIVATION_BYTES = 2  # bf16, the narrowest a block's saved input is kept in
+
+
+def memory_shortfall(app: App, config, device: torch.device, launch: Launch) -> str | None:
+    """Why this process cannot hold the run (one line: the estimate, what is available, the key to change), or
+    None."""
+    parts = estimate(app, config, launch)
+    host_free = host_available() // launch.local_world_size
+    if device.type == "cuda":
+        device_free = torch.cuda.mem_get_info(device)[0]
+        device_parts = {k: parts[k] for k in ("weights and optimizer", "activations", "batch on the device")}
+        problem = _shortfall(device_parts, device_free, f"memory of {device}")
+        host_parts = {k: parts[k] for k in ("batch", "validation rows")}
+        return problem or _shortfall(host_parts, host_free, "host memory")
+    del parts["batch on the device"]  # the host's batch itself
+    return _shortfall(parts, host_free, "host memory")
+
+
+def estimate(app: App, config, launch: Launch) -> dict[str, int]:
+    """{part: bytes} needed by one process at least (see the module's docstring)."""
+    with torch.device("meta"):
+        n_params = count_params(app.build_model(config.model, build_tokenizer(config.data.tokenizer)))
+    shards = 1 if config.distributed.fsdp_type == "no_shard" else launch.world_size
+    row = math.prod(app.data.row_shape(config.data))
+    rows = config.data.batch_size
+    encoder = config.model.encoder
+    validation_rows = config.validation.n_sequences // launch.world_size if config.validation.every else 0
+    return {
+        "weights and optimizer": OPTIMIZER_BYTES * n_params // shards,
+        "batch": rows * (row + 1) * TOKEN_BYTES,
+        "validation rows": validation_rows * row * TOKEN_BYTES,
+        "batch on the device": rows * row * TOKEN_BYTES,
+        "activations": rows * row * encoder.dim * encoder.n_layers * ACTIVATION_BYTES,
+    }
+
+
+def host_available() -> int:
+    """Bytes the host can give without swapping (MemAvailable)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable")
+
+
+def _shortfall(parts: dict[str, int], available: int, where: str) -> str | None:
+    need = sum(parts.values())
+    if need <= available:
+        return None
+    biggest = max(parts, key=parts.get)
+    change = ("lower data.batch_size (grad_acc_steps keeps the tokens per step)" if biggest != "weights and optimizer"
+              else "a smaller model, or more processes to shard it over")
+    listed = ", ".join(f"{name} {_size(size)}" for name, size in parts.items() if size)
+    return (f"the run needs at least {_size(need)} of {where} per process ({listed}), {_size(available)} is "
+            f"available: {change}")
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:,.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:,.1f} MiB"
