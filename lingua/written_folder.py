@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from lingua import untrusted
 from lingua.args import UserError
 from lingua.files import PARTIAL_WRITE, RefusedFile, atomic_write, regular_file
 
@@ -25,8 +26,8 @@ def record(folder: Path, marker: str, names: Iterable[str], **fields) -> None:
 def listed(folder: Path, marker: str) -> set[str]:
     """The names the folder's marker lists; none when it has no marker, or one that is not a marker."""
     try:
-        content = json.loads(regular_file(folder / marker, inside=folder).read_text())
-    except (RefusedFile, OSError, ValueError, RecursionError):
+        content = untrusted.parse_json(regular_file(folder / marker, inside=folder).read_bytes())
+    except (RefusedFile, OSError, untrusted.Malformed):
         return set()
     files = content.get("files") if isinstance(content, dict) else None
     return {name for name in files if isinstance(name, str)} if isinstance(files, list) else set()
