@@ -39,7 +39,7 @@ class TransformerArgs:
     rope_theta: float = 10000.0  # RoPE base
     max_seqlen: int = 512  # longest sequence (RoPE table size)
     init_std: float = 0.02  # std of the truncated-normal init of every matrix and embedding
-    attn_backend: str = "sdpa"  # sdpa (CPU and GPU) | flex (GPU, compiled flex_attention) | xformers (if installed)
+    attn_backend: str = "sdpa"  # sdpa (CPU and GPU) | flex (flex_attention: compiled on GPU) | xformers (if installed)
     head_chunk: int = 4096  # predicted tokens the output head and its loss take at a time; 0: all logits at once
     scale_embeddings: bool = True  # token embeddings enter the residual stream times sqrt(dim); false: unscaled
     output_bias: bool = False  # a learned per-token bias in the tied output head (zero at init)
@@ -172,7 +172,9 @@ def _compiled_flex_attention():
 
 
 class FlexBackend(AttentionBackend):
-    """Compiled flex_attention (GPU) with a block mask, which skips the blocks where no query attends any key."""
+    """flex_attention with a block mask, which skips the blocks where no query attends any key: compiled on a GPU;
+    eager elsewhere, since inductor's CPU kernel for it computed wrong rows on an AVX2 host (torch 2.13, up to 1.1
+    off; `test_backends_agree_with_sdpa`), where the eager reference is right."""
 
     name = "flex"
 
@@ -189,7 +191,11 @@ class FlexBackend(AttentionBackend):
 
     def attend(self, q, k, v, bias):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        return _compiled_flex_attention()(q, k, v, block_mask=bias).transpose(1, 2)
+        if q.is_cuda:
+            return _compiled_flex_attention()(q, k, v, block_mask=bias).transpose(1, 2)
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=bias).transpose(1, 2)
 
 
 class XformersBackend(AttentionBackend):
