@@ -43,7 +43,7 @@ def test_a_malformed_first_line_is_reported_at_once_and_counted_in_the_progress_
     log = (tmp_path / "run" / "train.log").read_text().splitlines()
     reports = [line for line in log if "malformed line" in line and " | loss " not in line]
     assert len(reports) == 1, reports
-    assert f"{first}: skipped a malformed line at byte 0 (not JSON: Expecting property name" in reports[0]
+    assert f"{first}: skipped a malformed line at byte 0 (not valid JSON (Expecting property name" in reports[0]
     progress = {line.split(" | ")[0].split()[-1]: line for line in log if " | loss " in line}
     assert progress["1/2"].endswith("| skipped 1 malformed lines"), progress
     assert "malformed" not in progress["2/2"]
