@@ -42,6 +42,30 @@ def write_corpus(root: Path, n_docs: int = 300, seed: int = 0) -> Path:
     return root
 
 
+class Killed(BaseException):
+    """The process dies here: no handler of the code under test runs (they catch Exception)."""
+
+
+@contextlib.contextmanager
+def killed_before(n: int, operations: list[tuple[object, str]]):
+    """Counts the calls of `operations` ((module, function name) pairs) made inside; the n-th (from 1) is not made:
+    Killed is raised instead, as if the process died there. Yields the count so far."""
+    calls = [0]
+
+    def counted(operation):
+        def run(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == n:
+                raise Killed
+            return operation(*args, **kwargs)
+        return run
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module, name in operations:
+            patch.setattr(module, name, counted(getattr(module, name)))
+        yield calls
+
+
 @pytest.fixture(autouse=True)
 def restore_logging_handlers():
     """Commands under test attach handlers to the root logger (stdout, a run's train.log): remove them afterwards,

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import run_to_the_end, tiny_argv, write_corpus
+from conftest import Killed, run_to_the_end, tiny_argv, write_corpus
+from conftest import killed_before as counting_kills
 from test_checkpoint import _model_and_optimizer
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -235,32 +236,15 @@ def test_a_fifo_a_checkpoint_names_is_refused_not_waited_on(tiny_run, tmp_path, 
     assert f"{path} is not a regular file" in done.stderr and not (tmp_path / "out").exists()
 
 
-class Killed(BaseException):
-    """The process dies here: no handler of the code under test runs (they catch Exception)."""
-
-
 FILESYSTEM_OPERATIONS = [(os, "replace"), (os, "rename"), (os, "fsync"), (os, "mkdir"), (os, "unlink"),
                          (os, "rmdir"), (shutil, "rmtree")]
 
 
 @contextlib.contextmanager
 def killed_before(n: int):
-    """Counts the filesystem operations done inside; the n-th (from 1) is not done: the process is killed."""
-    calls = [0]
-
-    def counted(operation):
-        def run(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == n:
-                raise Killed
-            return operation(*args, **kwargs)
-        return run
-
-    with pytest.MonkeyPatch.context() as patch:
-        for module, name in FILESYSTEM_OPERATIONS:
-            patch.setattr(module, name, counted(getattr(module, name)))
-        with contextlib.suppress(Killed, UserError):  # UserError: DCP turned the kill into a failed save
-            yield calls
+    """The filesystem operations of a save counted; the n-th (from 1) is not done: the process is killed."""
+    with counting_kills(n, FILESYSTEM_OPERATIONS) as calls, contextlib.suppress(Killed, UserError):
+        yield calls  # UserError: DCP turned the kill into a failed save
 
 
 @pytest.mark.parametrize("existing_step", [1, 2], ids=["new_step", "same_step_again"])

@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import load_setup_script
+from conftest import Killed, killed_before, load_setup_script
 
 from lingua import written_folder
 from lingua.args import UserError
@@ -213,10 +213,6 @@ def test_a_write_killed_between_its_renames_is_recovered(tmp_path, inputs):
     assert files_of(out) == written and sorted(p.name for p in out.parent.iterdir()) == ["src"]
 
 
-class Killed(BaseException):
-    """The process dies here: no handler of the code under test runs."""
-
-
 @pytest.mark.parametrize("existing", [False, True], ids=["first_write", "overwrite"])
 def test_a_kill_at_any_moment_of_a_write_leaves_folders_the_next_run_clears(tmp_path, inputs, existing):
     """Killed before each file-system operation of a write: the next run (--overwrite) is never refused (every
@@ -228,19 +224,7 @@ def test_a_kill_at_any_moment_of_a_write_leaves_folders_the_next_run_clears(tmp_
         root = tmp_path / f"killed_before_{n}"
         if existing:
             run_local(root, str(folder), "--docs-per-chunk", "5")
-        calls = [0]
-
-        def counted(operation):
-            def run(*args, **kwargs):
-                calls[0] += 1
-                if calls[0] == n:
-                    raise Killed
-                return operation(*args, **kwargs)
-            return run
-
-        with pytest.MonkeyPatch.context() as patch:
-            for module, name in operations:
-                patch.setattr(module, name, counted(getattr(module, name)))
+        with killed_before(n, operations):
             try:
                 run_local(root, str(folder), "--docs-per-chunk", "3", "--overwrite")
                 finished = True
