@@ -2,6 +2,7 @@
 lingua/untrusted.py, and each command that met one), shapes and packages checked with the config, and a config
 whose memory this machine cannot hold (issue 40, items 7 and 8)."""
 
+import ast
 import json
 import os
 import resource
@@ -69,6 +70,27 @@ def test_the_reader_opens_regular_files_only(tmp_path):
             untrusted.read_json(path)
     with pytest.raises(UserError, match="^file not found: "):
         untrusted.read_yaml(tmp_path / "missing.yaml")
+
+
+def test_every_reader_of_json_or_yaml_from_disk_is_the_one_reader():
+    """The class, not the instances: no module parses JSON or YAML but lingua/untrusted.py (a deep copy through
+    json.dumps reads nothing from disk)."""
+    parsers = {("json", "loads"), ("json", "load"), ("yaml", "safe_load"), ("yaml", "load"), ("yaml", "full_load")}
+    found = []
+    for folder in ("lingua", "apps", "tools", "setup"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path == REPO / "lingua" / "untrusted.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and isinstance(node.func.value, ast.Name)
+                        and (node.func.value.id, node.func.attr) in parsers):
+                    continue
+                copied = node.args and isinstance(node.args[0], ast.Call) and \
+                    isinstance(node.args[0].func, ast.Attribute) and node.args[0].func.attr == "dumps"
+                if not copied:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert found == []
 
 
 def test_a_yaml_merge_key_is_not_a_key_written_twice(tmp_path):
