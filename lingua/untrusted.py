@@ -2,11 +2,14 @@
 corpus, a hand-edited config) are read as plain data, within limits, and every way one can be wrong is a one-line
 UserError naming the file (and line):
 
-- only a regular file is opened (a FIFO would block the reader forever);
+- only a regular file is opened (a FIFO would block the reader forever), of at most MAX_BYTES;
 - strict UTF-8 (a byte-order mark is dropped);
 - at most MAX_DEPTH levels of nesting, checked before parsing: a deeper file exhausts the recursion of the parser,
   or of whoever walks what it returns;
 - numbers within Python's limit on the digits of an integer;
+- YAML: aliases are allowed (configs share values with anchors and merge keys), but the document they expand to
+  is bounded, MAX_NODES values at most and MAX_DEPTH levels: a few hundred bytes of nested aliases expand to 10^9
+  values in whoever walks what it returns; an alias inside the node it names (a cycle) is refused;
 - YAML: a key written twice in one mapping is refused (PyYAML would keep the last one silently); only safe_load's
   plain types are built;
 - `expect`: the type the top level must have (a mapping, say), else refused.
@@ -28,6 +31,8 @@ import yaml
 from lingua.errors import UserError
 
 MAX_DEPTH = 100
+MAX_NODES = 10**6  # the values of a YAML document with its aliases expanded
+MAX_BYTES = 64 * 2**20  # of a JSON or YAML file read whole (a corpus is parsed a line at a time: not bounded here)
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKET = re.compile(r"[\[\]{}]")
 
@@ -53,9 +58,12 @@ def read_bytes(path: str | Path, what: str = "file") -> bytes:
         raise UserError(f"{what} {path} is " + ("a folder, not a file" if stat.S_ISDIR(mode) else "not a regular file"))
     with os.fdopen(descriptor, "rb") as f:
         try:
-            return f.read()
+            data = f.read(MAX_BYTES + 1)
         except OSError as e:
             raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
+    if len(data) > MAX_BYTES:
+        raise UserError(f"{what} {path} is larger than {MAX_BYTES // 2**20} MiB, more than any record or config")
+    return data
 
 
 def read_json(path: str | Path, what: str = "file", expect: type | None = dict) -> Any:
@@ -124,7 +132,8 @@ def parse_yaml(data: str | bytes) -> Any:
 
 
 class _PlainLoader(yaml.SafeLoader):
-    """safe_load's plain types, with the nesting depth bounded and a key written twice in one mapping refused."""
+    """safe_load's plain types, with the nesting depth and the expanded size bounded and a key written twice in one
+    mapping refused."""
 
     def __init__(self, stream):
         super().__init__(stream)
@@ -140,6 +149,14 @@ class _PlainLoader(yaml.SafeLoader):
         finally:
             self.depth -= 1
 
+    def construct_document(self, node):
+        values, depth = _expanded(node)
+        if values > MAX_NODES:
+            raise yaml.YAMLError(f"its aliases expand it to more than {MAX_NODES:,} values")
+        if depth > MAX_DEPTH:
+            raise yaml.YAMLError(f"its aliases nest it deeper than {MAX_DEPTH} levels")
+        return super().construct_document(node)
+
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
             first_line: dict[Any, int] = {}
@@ -152,6 +169,30 @@ class _PlainLoader(yaml.SafeLoader):
                     raise yaml.YAMLError(f"key {key!r} is written twice (lines {first_line[key]} and {line})")
                 first_line[key] = line
         return super().construct_mapping(node, deep)
+
+
+def _expanded(root: yaml.Node) -> tuple[int, int]:
+    """(values, depth) of a composed YAML document with its aliases expanded: each node is counted once and its
+    count reused wherever an alias names it, so the walk is linear in the document, not in its expansion. Iterative:
+    aliases can chain nodes deeper than Python's recursion."""
+    counted: dict[int, tuple[int, int]] = {}
+    open_nodes: set[int] = set()  # on the path from the root to the node being walked
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_counted = stack.pop()
+        children = [] if isinstance(node, yaml.ScalarNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else [part for pair in node.value for part in pair]
+        if children_counted:
+            open_nodes.discard(id(node))
+            values, depths = zip(*(counted[id(child)] for child in children)) if children else ((), ())
+            counted[id(node)] = (1 + sum(values), 1 + max(depths, default=0))
+        elif id(node) in open_nodes:
+            raise yaml.YAMLError(f"the node at line {node.start_mark.line + 1} holds an alias of itself")
+        elif id(node) not in counted:
+            open_nodes.add(id(node))
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if id(child) not in counted)
+    return counted[id(root)]
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:
