@@ -203,10 +203,13 @@ class UntrustedApp(UserError):
     """A checkpoint names an app that is neither one of this code's nor the one named on the command line."""
 
     def __init__(self, where: str, saved: str, named: str | None):
-        self.refusal = (f"{where} was saved by app '{saved}', which is {'neither ' if named else 'not '}one of this "
+        # `saved` is read from the file: quoted, so that no newline or terminal escape in it reaches the user's
+        # terminal, and offered as app= only when it is a module's name
+        self.refusal = (f"{where} was saved by app {saved!r}, which is {'neither ' if named else 'not '}one of this "
                         f"code's apps ({', '.join(shipped_apps())}){f' nor {named}' if named else ''}: nothing was "
                         "imported")
-        super().__init__(f"{self.refusal}; if you trust it, run again with app={saved}")
+        dotted = all(part.isidentifier() for part in saved.split("."))
+        super().__init__(f"{self.refusal}; if you trust it, run again with app={saved}" if dotted else self.refusal)
 
 
 def trusted_app(saved: str, named: str | None, where: str) -> App:

@@ -210,3 +210,16 @@ def test_as_found_consolidating_a_received_folder_does_not_run_its_train_py(rece
     assert done.returncode == 2 and not (tmp_path / "ran").exists(), done.stderr
     assert len(done.stderr.splitlines()) == 1 and "app 'dump.recv'" in done.stderr
     assert not (tmp_path / "out.pt").exists() and run.exists()
+
+
+def test_an_app_name_with_a_newline_and_terminal_escapes_is_quoted_and_not_offered(received, tmp_path, capsys):
+    """A name is text the sender chose: raw, it broke the one line and wrote its own line after it."""
+    app = "x\n\x1b[2Jerror: none, all is well"
+    run = received(app)
+    with pytest.raises(SystemExit) as exited:
+        COMMANDS["export"](run, tmp_path)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and "\x1b" not in err, err
+    assert err.rstrip("\n").endswith(f"was saved by app {app!r}, which is not one of this code's apps (bert, "
+                                     "contrastive, crossbert, electra, finetune): nothing was imported"), err
+    assert "app=" not in err and _imported(tmp_path) == []
