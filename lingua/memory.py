@@ -1,6 +1,5 @@
 """The memory a run needs, estimated from its config before anything is allocated, so that a config this machine
-cannot hold is refused in one line at the start instead of filling the memory (a batch of 10^9 rows took a machine
-down, past `timeout`).
+cannot hold is refused in one line at the start instead of filling the memory.
 
 The estimate is a lower bound, per process: what a training step cannot do without. It never refuses a config that
 would fit; it refuses the ones that cannot. Per process:
@@ -12,11 +11,14 @@ would fit; it refuses the ones that cannot. Per process:
 - activations, on the device: each block's input kept for the backward (2 bytes a value at least, as in bf16), for
   the micro-batch's tokens; and the batch itself copied to the device.
 
-Available: the device's free memory (torch.cuda.mem_get_info), or the host's (MemAvailable in /proc/meminfo)
-shared by the processes of this node.
+Available: the device's free memory (torch.cuda.mem_get_info), or the host's shared by the processes of this node:
+the least of MemAvailable (/proc/meminfo), what the cgroup v2 memory.max of this process (and of each cgroup above
+it) leaves above its memory.current, and what the RLIMIT_AS soft limit leaves above this process's address space
+(VmSize): a container or a ulimit kills or fails a process well below the host's free memory.
 """
 
 import math
+import resource
 from pathlib import Path
 
 import torch
@@ -36,15 +38,15 @@ def memory_shortfall(app: App, config, device: torch.device, launch: Launch) -> 
     """Why this process cannot hold the run (one line: the estimate, what is available, the key to change), or
     None."""
     parts = estimate(app, config, launch)
-    host_free = host_available() // launch.local_world_size
+    host_free, limit = host_available(launch.local_world_size)
     if device.type == "cuda":
         device_free = torch.cuda.mem_get_info(device)[0]
         device_parts = {k: parts[k] for k in ("weights and optimizer", "activations", "batch on the device")}
-        problem = _shortfall(device_parts, device_free, f"memory of {device}")
+        problem = _shortfall(device_parts, device_free, f"memory of {device}", "its free memory")
         host_parts = {k: parts[k] for k in ("batch", "validation rows")}
-        return problem or _shortfall(host_parts, host_free, "host memory")
+        return problem or _shortfall(host_parts, host_free, "host memory", limit)
     del parts["batch on the device"]  # the host's batch itself
-    return _shortfall(parts, host_free, "host memory")
+    return _shortfall(parts, host_free, "host memory", limit)
 
 
 def estimate(app: App, config, launch: Launch) -> dict[str, int]:
@@ -65,15 +67,44 @@ def estimate(app: App, config, launch: Launch) -> dict[str, int]:
     }
 
 
-def host_available() -> int:
-    """Bytes the host can give without swapping (MemAvailable)."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
+def host_available(processes: int = 1, proc: Path = Path("/proc"),
+                   cgroups: Path = Path("/sys/fs/cgroup")) -> tuple[int, str]:
+    """(bytes one of this node's `processes` can still get from the host, the limit that sets it): the least of the
+    limits in the module's docstring that this host has; the node's are shared, RLIMIT_AS is per process."""
+    shared = [(_kib(proc / "meminfo", "MemAvailable:"), "the host's MemAvailable")]
+    membership = _read(proc / "self" / "cgroup") or ""
+    own = next((cgroups / line[3:].lstrip("/") for line in membership.splitlines() if line.startswith("0::")), None)
+    for folder in [own, *own.parents] if own else []:
+        if not folder.is_relative_to(cgroups):
+            break
+        ceiling = _read(folder / "memory.max")
+        if ceiling and ceiling.isdigit():  # "max": no limit at this level
+            shared.append((int(ceiling) - int(_read(folder / "memory.current") or 0),
+                           f"the memory.max of cgroup /{folder.relative_to(cgroups).as_posix().strip('.')}"))
+    limits = [(available // processes, limit) for available, limit in shared]
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY:
+        limits.append((soft - _kib(proc / "self" / "status", "VmSize:"), "the RLIMIT_AS soft limit (ulimit -v)"))
+    available, limit = min(limits)
+    return max(available, 0), limit
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _kib(path: Path, key: str) -> int:
+    """Bytes of a `key: N kB` line of a /proc file."""
+    for line in path.read_text().splitlines():
+        if line.startswith(key):
             return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable")
+    raise OSError(f"{path} has no {key.rstrip(':')}")
 
 
-def _shortfall(parts: dict[str, int], available: int, where: str) -> str | None:
+def _shortfall(parts: dict[str, int], available: int, where: str, limit: str) -> str | None:
     need = sum(parts.values())
     if need <= available:
         return None
@@ -82,7 +113,7 @@ def _shortfall(parts: dict[str, int], available: int, where: str) -> str | None:
               else "a smaller model, or more processes to shard it over")
     listed = ", ".join(f"{name} {_size(size)}" for name, size in parts.items() if size)
     return (f"the run needs at least {_size(need)} of {where} per process ({listed}), {_size(available)} is "
-            f"available: {change}")
+            f"available ({limit}): {change}")
 
 
 def _size(n: int) -> str:
