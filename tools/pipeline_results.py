@@ -14,7 +14,9 @@ from lingua.args import UserError
 from lingua.metrics import read_metrics
 from lingua.run_folder import PIPELINE_RECORD, RESULTS, RunFolder
 from tools import paper
+from tools.eval.glue import read_summary
 from tools.eval.mteb import benchmark_of
+from tools.eval.mteb import read_results as read_mteb_results
 from tools.finetune.table import choose, read_results
 
 
@@ -43,7 +45,7 @@ def layer_scores(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
     path = folder / RESULTS
     if not path.exists():
         return {}
-    summary = untrusted.read_json(path, "GLUE results")["summary"]
+    summary = read_summary(path)
     return {layer: {probe: {t: s for t, s in scores.items() if t != "avg"} for probe, scores in summary[layer].items()}
             for layer in sorted(summary, key=lambda name: (name == "last", int(name) if name.isdigit() else 0))}
 
@@ -65,7 +67,7 @@ def mteb_results(folder: Path) -> dict[tuple[str, str], dict]:
     for path in sorted(folder.glob(f"mteb_*/{RESULTS}")):
         protocol = path.parent.name.rsplit("_", 1)[-1]
         if protocol in ("frozen", "full"):
-            results = untrusted.read_json(path, "MTEB results")
+            results = read_mteb_results(path)
             sections[(benchmark_of(results), protocol)] = results
     return sections
 
@@ -94,7 +96,9 @@ def read_pipeline(folder: Path) -> list[Variant]:
     record = folder / PIPELINE_RECORD
     if not record.exists():
         raise UserError(f"{folder} holds no pipeline (pipeline.json): python -m lingua.stool pipeline writes it")
-    variants = untrusted.read_json(record, "pipeline record")["variants"]
+    variants = untrusted.read_json(record, "pipeline record").get("variants")
+    if not isinstance(variants, dict) or not all(isinstance(keys, dict) for keys in variants.values()):
+        raise UserError(f"pipeline record {record} holds no variants and their keys")
     return [Variant(name, keys, pretraining(folder / name / "pretrain"), probe_scores(folder / name / "probes"),
                     layer_scores(folder / name / "probes_layers"), finetune_scores(folder / name),
                     mteb_results(folder / name))

@@ -17,7 +17,9 @@ from lingua.launcher import read_job_record
 from lingua.metrics import read_metrics
 from lingua.run_folder import METRICS, RunFolder
 from lingua.scaling import best_per_group, fit_power_law
+from tools.eval.glue import read_summary
 from tools.eval.mteb import benchmark_of
+from tools.eval.mteb import read_results as read_mteb_results
 
 PROBES = ("linear", "knn")
 
@@ -109,7 +111,7 @@ def _probe_results(dump_dir: Path) -> dict[str, dict[str, float]]:
     results = sorted(RunFolder(dump_dir).evaluation_results("glue"), key=lambda p: p.stat().st_mtime)
     if not results:
         return {}
-    return untrusted.read_json(results[-1], "GLUE results")["summary"].get("last", {})
+    return read_summary(results[-1]).get("last", {})
 
 
 def _mteb_results(dump_dir: Path) -> dict[str, dict[str, float]]:
@@ -118,7 +120,7 @@ def _mteb_results(dump_dir: Path) -> dict[str, dict[str, float]]:
     out=DUMP_DIR/mteb_eval/NAME)."""
     found: dict[str, dict[str, float]] = {}
     for path in sorted(RunFolder(dump_dir).evaluation_results("mteb"), key=lambda p: p.stat().st_mtime):
-        results = untrusted.read_json(path, "MTEB results")
+        results = read_mteb_results(path)
         found[benchmark_of(results)] = results["summary"]
     return found
 

@@ -14,6 +14,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from lingua import untrusted
 from lingua.args import UserError, command_line, load_config
 from lingua.checkpoint import Checkpoint
 from lingua.distributed import resolve_device
@@ -44,6 +45,18 @@ def results_path(out: str, run: RunFolder, checkpoint: Path) -> Path:
     if out:
         return Path(out) if out.endswith(".json") else Path(out) / RESULTS
     return run.evaluation("glue", checkpoint) / RESULTS
+
+
+def read_summary(path: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """{layer: {probe: {task or "avg": score}}} of a results.json of this command; a file of another shape (copied,
+    edited) is one line naming it."""
+    summary = untrusted.read_json(path, "GLUE results").get("summary")
+    scores = summary.values() if isinstance(summary, dict) else [None]
+    if not all(isinstance(probes, dict) and all(isinstance(tasks, dict) and all(
+            isinstance(score, (int, float)) for score in tasks.values()) for tasks in probes.values())
+            for probes in scores):
+        raise UserError(f"GLUE results {path} hold no summary of scores per layer, probe and task")
+    return summary
 
 
 def run(args: GlueCommandArgs) -> dict:

@@ -19,6 +19,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from lingua import untrusted
 from lingua.args import UserError, at_least, command_line, load_config
 from lingua.checkpoint import Checkpoint
 from lingua.files import atomic_write
@@ -43,6 +44,18 @@ class MtebCommandArgs:
     def __post_init__(self):
         at_least(self, 1, "batch_size")
         at_least(self, 0, "max_len")
+
+
+def read_results(path: Path) -> dict:
+    """A results.json of this command, its args (the benchmark, the tasks, offline) and summary checked: a file of
+    another shape (copied, edited) is one line naming it."""
+    results = untrusted.read_json(path, "MTEB results")
+    args, summary = results.get("args"), results.get("summary")
+    if not (isinstance(args, dict) and isinstance(args.get("benchmark"), str)
+            and isinstance(args.get("tasks", []), list) and all(isinstance(t, str) for t in args.get("tasks", []))
+            and isinstance(summary, dict) and all(isinstance(score, (int, float)) for score in summary.values())):
+        raise UserError(f"MTEB results {path} hold no benchmark, tasks and summary of scores")
+    return results
 
 
 def benchmark_of(results: dict) -> str:

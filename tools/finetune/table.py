@@ -98,7 +98,10 @@ def paper_app(model: str) -> str | None:
     if single_scale is None:
         return None
     paper = untrusted.read_yaml(single_scale, "config file")["model"]["encoder"]
-    ours = checkpoint.config["model"]["encoder"]
+    model_config = checkpoint.config.get("model")  # read from the file: any shape
+    ours = model_config.get("encoder") if isinstance(model_config, dict) else None
+    if not isinstance(ours, dict):
+        raise UserError(f"checkpoint {checkpoint.path} has no model.encoder in its config")
     return name if all(ours.get(key) == paper[key] for key in ("dim", "n_layers", "n_heads")) else None
 
 
