@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from conftest import ENV, REPO, tiny_argv
 from test_faults import assert_one_line, run_main
@@ -20,7 +21,9 @@ from apps.finetune.train import FinetuneTrainArgs
 from lingua import stool, untrusted
 from lingua.args import UserError, from_dict, to_dict
 from lingua.eval import triplets
+from lingua.memory import host_available
 from lingua.pipeline_plan import load_pipeline
+from tools import pipeline_results, scaling_runs
 from tools.finetune import table
 
 DEEP_JSON = "[" * 5000 + "]" * 5000
@@ -72,24 +75,44 @@ def test_the_reader_opens_regular_files_only(tmp_path):
         untrusted.read_yaml(tmp_path / "missing.yaml")
 
 
+def _parses(attribute: str, module: str) -> bool:
+    """Whether json's or yaml's `attribute` parses a text (yaml: anything named *load*, its loaders included)."""
+    return attribute in ("load", "loads") if module == "json" else module == "yaml" and "load" in attribute.lower()
+
+
+def _parsers(source: str) -> list[int]:
+    """The lines of `source` that reach a parser of json or yaml: `json.loads`, `yaml.safe_load_all`, a loader class,
+    the same through `import yaml as y`, or imported by name (`from json import loads`). A deep copy,
+    `json.loads(json.dumps(...))`, reads nothing from disk."""
+    tree = ast.parse(source)
+    modules = {alias.asname or alias.name: alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+               for alias in node.names if alias.name in ("json", "yaml")}
+    copies = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call) and node.args
+              and isinstance(node.args[0], ast.Call) and isinstance(node.args[0].func, ast.Attribute)
+              and node.args[0].func.attr == "dumps"}
+    found = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             and any(_parses(alias.name, node.module) for alias in node.names)]
+    found += [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and id(node) not in copies
+              and isinstance(node.value, ast.Name) and _parses(node.attr, modules.get(node.value.id, ""))]
+    return sorted(found)
+
+
+@pytest.mark.parametrize("source", [
+    "import json\njson.loads(text)", "import json\njson.load(f)", "from json import loads",
+    "from json import load as read", "import yaml\nyaml.safe_load(text)", "import yaml\nyaml.load_all(text)",
+    "import yaml\nyaml.unsafe_load(text)", "import yaml\nyaml.safe_load_all(text)", "import yaml\nyaml.full_load(t)",
+    "from yaml import safe_load_all", "import yaml as y\ny.load(text, Loader=y.SafeLoader)",
+    "import yaml\nparse = yaml.safe_load"])
+def test_a_module_that_parses_json_or_yaml_itself_is_found(source):
+    assert _parsers(source) != []
+
+
 def test_every_reader_of_json_or_yaml_from_disk_is_the_one_reader():
-    """The class, not the instances: no module parses JSON or YAML but lingua/untrusted.py (a deep copy through
-    json.dumps reads nothing from disk)."""
-    parsers = {("json", "loads"), ("json", "load"), ("yaml", "safe_load"), ("yaml", "load"), ("yaml", "full_load")}
-    found = []
-    for folder in ("lingua", "apps", "tools", "setup"):
-        for path in sorted((REPO / folder).rglob("*.py")):
-            if path == REPO / "lingua" / "untrusted.py":
-                continue
-            for node in ast.walk(ast.parse(path.read_text())):
-                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                        and isinstance(node.func.value, ast.Name)
-                        and (node.func.value.id, node.func.attr) in parsers):
-                    continue
-                copied = node.args and isinstance(node.args[0], ast.Call) and \
-                    isinstance(node.args[0].func, ast.Attribute) and node.args[0].func.attr == "dumps"
-                if not copied:
-                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    """The class, not the instances: no module parses JSON or YAML but lingua/untrusted.py."""
+    assert _parsers("import json\ncopy = json.loads(json.dumps(config))\nfrom yaml import safe_dump") == []
+    found = [f"{path.relative_to(REPO)}:{line}" for folder in ("lingua", "apps", "tools", "setup")
+             for path in sorted((REPO / folder).rglob("*.py")) if path != REPO / "lingua" / "untrusted.py"
+             for line in _parsers(path.read_text())]
     assert found == []
 
 
@@ -206,3 +229,111 @@ def test_the_finetune_table_of_a_run_whose_config_is_not_one_is_one_line(tmp_pat
     assert exit_status.value.code == 2
     assert_one_line(capsys.readouterr().err, f"run config {run / 'config.yaml'} is not a fine-tuning run's: "
                                              "config key 'data' expects a mapping, got 5")
+
+
+# ------------------------------------------------------------------------------------------------- shapes and sizes
+
+ALIAS_BOMB = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9))  # 10^9 values in 511 bytes
+
+
+def test_a_yaml_whose_aliases_expand_to_a_billion_values_is_one_line(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(ALIAS_BOMB)
+    with pytest.raises(UserError) as refused:
+        untrusted.read_yaml(path, "config file")
+    assert str(refused.value) == f"config file {path}: not valid YAML: its aliases expand it to more than 1,000,000 " \
+                                 "values"
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("a: &a [1, *a]\n", "the node at line 1 holds an alias of itself"),
+    ("a0: &a0 " + "[" * 90 + "]" * 90 + "\n" + "".join(f"a{i}: &a{i} {'[' * 50}*a{i - 1}{']' * 50}\n"
+                                                       for i in range(1, 5)),
+     "its aliases nest it deeper than 100 levels"),
+], ids=["cycle", "deep"])
+def test_a_yaml_whose_aliases_loop_or_nest_too_deep_is_one_line(tmp_path, content, problem):
+    path = tmp_path / "config.yaml"
+    path.write_text(content)
+    with pytest.raises(UserError, match=f"^config file {path}: not valid YAML: {problem}$"):
+        untrusted.read_yaml(path, "config file")
+
+
+def test_anchors_and_merge_keys_still_read():
+    table9 = untrusted.read_yaml(REPO / "docs" / "pipelines" / "table9.yaml")
+    assert "&init_std" in (REPO / "docs" / "pipelines" / "table9.yaml").read_text() and table9
+
+
+def test_a_json_or_yaml_file_over_the_size_limit_is_one_line_before_it_is_read_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(untrusted, "MAX_BYTES", 1000)
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps({"text": "x" * 2000}))
+    for read in (untrusted.read_json, untrusted.read_yaml):
+        with pytest.raises(UserError, match=f"^stage record {path} is larger than 0 MiB"):
+            read(path, "stage record")
+
+
+HOSTILE_GLUE = ['{}', '{"summary": 5}', '{"summary": {"last": {"linear": {"rte": "high"}}}}']
+HOSTILE_MTEB = ['{"summary": {"STS": 1.0}}', '{"args": {"benchmark": "b", "tasks": 5}, "summary": {}}',
+                '{"args": {"benchmark": "b"}, "summary": {"STS": [1]}}']
+
+
+@pytest.mark.parametrize("content", HOSTILE_GLUE)
+def test_pipeline_tables_of_a_hostile_glue_results_file_are_one_line(tmp_path, content):
+    (tmp_path / "results.json").write_text(content)
+    with pytest.raises(UserError, match=f"^GLUE results {tmp_path / 'results.json'} hold no summary of scores"):
+        pipeline_results.layer_scores(tmp_path)
+
+
+@pytest.mark.parametrize("content", HOSTILE_MTEB)
+def test_pipeline_tables_of_a_hostile_mteb_results_file_are_one_line(tmp_path, content):
+    (tmp_path / "mteb_frozen").mkdir()
+    (tmp_path / "mteb_frozen" / "results.json").write_text(content)
+    with pytest.raises(UserError, match="^MTEB results .*mteb_frozen/results.json hold no benchmark, tasks and summ"):
+        pipeline_results.mteb_results(tmp_path)
+
+
+def test_pipeline_tables_of_a_hostile_pipeline_record_are_one_line(tmp_path):
+    (tmp_path / "pipeline.json").write_text('{"variants": ["bert"]}')
+    with pytest.raises(UserError, match=f"^pipeline record {tmp_path / 'pipeline.json'} holds no variants"):
+        pipeline_results.read_pipeline(tmp_path)
+
+
+@pytest.mark.parametrize("kind, content", [*(("glue", c) for c in HOSTILE_GLUE), *(("mteb", c) for c in HOSTILE_MTEB)])
+def test_scaling_of_a_run_with_a_hostile_results_file_is_one_line(tmp_path, kind, content):
+    results = tmp_path / f"{kind}_eval" / "step_2" / "results.json"
+    results.parent.mkdir(parents=True)
+    results.write_text(content)
+    read = scaling_runs._probe_results if kind == "glue" else scaling_runs._mteb_results
+    with pytest.raises(UserError, match=f"^{kind.upper()} results {results} hold no "):
+        read(tmp_path)
+
+
+def test_the_finetune_table_of_a_checkpoint_whose_config_has_no_encoder_is_one_line(tmp_path):
+    checkpoint = tmp_path / "consolidated.pt"
+    torch.save({"app": "apps.crossbert.train", "config": {"model": 5}, "model": {}}, checkpoint)
+    with pytest.raises(UserError, match=f"^checkpoint {checkpoint} has no model.encoder in its config$"):
+        table.paper_app(str(checkpoint))
+
+
+def test_a_cgroup_memory_limit_below_the_hosts_free_memory_is_the_one_that_counts(tmp_path):
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: {128 << 20} kB\nMemAvailable: {64 << 20} kB\n")
+    (proc / "self" / "cgroup").write_text("0::/job/step\n")
+    (cgroups / "job" / "step").mkdir(parents=True)
+    (cgroups / "job" / "step" / "memory.max").write_text("max\n")  # no limit of its own: its parent's holds
+    (cgroups / "job" / "memory.max").write_text(f"{4 << 30}\n")
+    (cgroups / "job" / "memory.current").write_text(f"{1 << 30}\n")
+    assert host_available(2, proc, cgroups) == (3 << 29, "the memory.max of cgroup /job")
+    (proc / "self" / "cgroup").write_text("0::/\n")
+    assert host_available(2, proc, cgroups) == (32 << 30, "the host's MemAvailable")
+
+
+def test_an_address_space_limit_below_the_hosts_free_memory_is_the_one_that_counts():
+    limited = "import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); " \
+              "from lingua.memory import host_available; print(*host_available(), sep=';')"
+    done = subprocess.run([sys.executable, "-c", limited], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    available, limit = done.stdout.strip().split(";")
+    assert 0 < int(available) < 3 << 30 and limit == "the RLIMIT_AS soft limit (ulimit -v)", done.stderr
