@@ -219,9 +219,12 @@ class CheckpointManager:
         self.folder, self.args, self.fence = Path(folder), args, fence
 
     def complete_checkpoints(self) -> list[Path]:
+        """The step folders, oldest first; a link at one (to another run's checkpoint, say) is none of this run's:
+        it is never loaded, counted or pruned."""
         if not self.folder.is_dir():
             return []
-        return sorted(p for p in self.folder.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name))
+        return sorted(p for p in self.folder.iterdir()
+                      if CHECKPOINT_NAME.match(p.name) and p.is_dir() and not p.is_symlink())
 
     def latest(self) -> Path | None:
         done = self.complete_checkpoints()
@@ -255,10 +258,9 @@ class CheckpointManager:
             logger.info(f"removed {leftover.name}, left by a process killed while saving or pruning")
 
     def check_folder(self) -> None:
-        """The checkpoints folder is a folder, or absent: never a file or a link to a missing (unmounted) folder."""
-        if self.folder.is_symlink() and not self.folder.exists():
-            raise UserError(f"{self.folder} links to a missing folder (an unmounted disk?): its checkpoints cannot "
-                            "be found, so the run cannot resume")
+        """The checkpoints folder is a folder, or absent: never a file, nor a link (dangling or not: checkpoints
+        written through it would land, and older ones be pruned, outside the run folder)."""
+        RunFolder(self.folder.parent).writable(self.folder)
         if self.folder.exists() and not self.folder.is_dir():
             raise UserError(f"{self.folder} is a file, not the run's checkpoint folder")
 
