@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor
 from lingua import safe_dcp, untrusted
 from lingua.app import App, build_model, trusted_app
 from lingua.args import UserError, at_least, from_dict
-from lingua.distributed import all_reduce, fail_together, on_rank_zero, rank_and_world
+from lingua.distributed import all_reduce, collective_device, fail_together, on_rank_zero, rank_and_world
 from lingua.files import Fence, RefusedFile, atomic_write, fsync_dir, regular_file, unfenced
 from lingua.run_folder import CONSOLIDATED, RunFolder
 
@@ -168,8 +168,8 @@ def _read_json(path: Path, keys: dict[str, type] | None = None) -> dict:
         data = regular_file(path, inside=path.parent).read_bytes()
     except RefusedFile as e:
         raise DamagedCheckpoint(str(e)) from None
-    except FileNotFoundError as e:  # any other OSError is no proof of damage: the caller reads again (read_error)
-        raise DamagedCheckpoint(f"{path.name}: {short_reason(e)}") from None
+    except FileNotFoundError:  # gone since it was checked; any other OSError is no proof of damage: it is raised
+        raise DamagedCheckpoint(f"{path.name} is missing") from None  # as it is, and lingua.resume reads again
     try:
         content = untrusted.parse_json(data)
     except untrusted.Malformed as e:
@@ -213,15 +213,18 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 class CheckpointManager:
     """A run's checkpoints folder. `fence` (the run lease's, lingua.files.Fence) is checked by rank 0 right before
-    each stage of a save: a process whose lease was taken over writes no checkpoint."""
+    each stage of a save, and every rank abides by it: a process whose lease was taken over writes no checkpoint."""
 
     def __init__(self, folder: str | Path, args: CheckpointArgs, fence: Fence = unfenced):
         self.folder, self.args, self.fence = Path(folder), args, fence
 
     def complete_checkpoints(self) -> list[Path]:
+        """The step folders, oldest first; a link at one (to another run's checkpoint, say) is none of this run's:
+        it is never loaded, counted or pruned."""
         if not self.folder.is_dir():
             return []
-        return sorted(p for p in self.folder.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name))
+        return sorted(p for p in self.folder.iterdir()
+                      if CHECKPOINT_NAME.match(p.name) and p.is_dir() and not p.is_symlink())
 
     def latest(self) -> Path | None:
         done = self.complete_checkpoints()
@@ -255,10 +258,9 @@ class CheckpointManager:
             logger.info(f"removed {leftover.name}, left by a process killed while saving or pruning")
 
     def check_folder(self) -> None:
-        """The checkpoints folder is a folder, or absent: never a file or a link to a missing (unmounted) folder."""
-        if self.folder.is_symlink() and not self.folder.exists():
-            raise UserError(f"{self.folder} links to a missing folder (an unmounted disk?): its checkpoints cannot "
-                            "be found, so the run cannot resume")
+        """The checkpoints folder is a folder, or absent: never a file, nor a link (dangling or not: checkpoints
+        written through it would land, and older ones be pruned, outside the run folder)."""
+        RunFolder(self.folder.parent).writable(self.folder)
         if self.folder.exists() and not self.folder.is_dir():
             raise UserError(f"{self.folder} is a file, not the run's checkpoint folder")
 
@@ -283,22 +285,24 @@ class CheckpointManager:
         return final
 
     def _stage(self, final: Path, tmp: Path, write) -> None:
-        """One stage of `save`, agreed over the ranks. A second Ctrl-C during it (which DCP hands back wrapped in a
-        CheckpointException) is an interruption on the rank that got it, once the ranks have agreed."""
+        """One stage of `save`, agreed over the ranks: first whether rank 0 still holds the lease (else no rank
+        writes: the others would wait in DCP's collectives for it), then whether every rank wrote its part. A second
+        Ctrl-C during it (which DCP hands back wrapped in a CheckpointException) on any rank is an interruption on
+        every rank, once the ranks have agreed."""
         rank = rank_and_world()[0]
-        failure, interrupted = (self.fence() if rank == 0 else None), False
-        if failure is None:
-            try:
-                write()
-            except (Exception, CheckpointException, KeyboardInterrupt) as e:
-                interrupted = _interruption(e)
-                failure = f"could not save checkpoint {final}: {self._save_failure(e)}; {self.kept()}"
+        fail_together(self.fence() if rank == 0 else None)
+        failure, interrupted = None, False
+        try:
+            write()
+        except (Exception, CheckpointException, KeyboardInterrupt) as e:
+            interrupted = _interruption(e)
+            failure = f"could not save checkpoint {final}: {self._save_failure(e)}; {self.kept()}"
         try:
             fail_together(failure)
         except UserError:
             if rank == 0 and self.fence() is None:
                 shutil.rmtree(tmp, ignore_errors=True)
-            if interrupted:
+            if all_reduce(torch.tensor([interrupted], dtype=torch.int32, device=collective_device()), "max").item():
                 raise KeyboardInterrupt from None
             raise
 
@@ -459,6 +463,8 @@ class Checkpoint:
             raise UserError(f"{e}: not a checkpoint") from None
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except OSError as e:  # the disk failed to read it (EIO): that says nothing of what it holds
+            raise UserError(f"cannot read {path}: {e.strerror or e}") from None
         except Exception as e:  # pickle, zip and torch errors of every kind: this is not one of our files
             raise UserError(f"{path} is not a checkpoint (torch.load: {type(e).__name__})") from None
         if not isinstance(saved, dict) or not {"app", "config", "model"} <= saved.keys() or \

@@ -12,25 +12,21 @@ from lingua import untrusted
 from lingua.args import UserError
 from lingua.embed import Embedder
 from lingua.eval.report import format_table
+from lingua.metrics import read_metrics
 from lingua.run_folder import RunFolder
 
 logger = logging.getLogger(__name__)
 
 
 def last_metrics(run: RunFolder) -> dict | None:
-    """The last record of the run's metrics.jsonl that counts data tokens (a line that does not parse is skipped)."""
+    """The last record of the run's metrics.jsonl that counts data tokens (a line that does not parse is skipped);
+    None, with a warning, if the file cannot be read."""
     try:
-        lines = run.metrics.read_text().splitlines()
-    except OSError:
+        records = read_metrics(run.metrics)
+    except UserError as e:
+        logger.warning(f"model card: no training metrics ({e})")
         return None
-    for line in reversed(lines):
-        try:
-            record = untrusted.parse_json(line)
-        except untrusted.Malformed:
-            continue
-        if isinstance(record, dict) and "data_tokens" in record:
-            return record
-    return None
+    return next((record for record in reversed(records) if "data_tokens" in record), None)
 
 
 def probe_tables(run: RunFolder) -> list[str]:

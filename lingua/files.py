@@ -76,19 +76,19 @@ def _create(tmp: Path) -> int:
     return os.open(tmp, flags, 0o644)
 
 
-def open_appending(path: str | Path) -> TextIO:
-    """`path` opened to append text (created if absent). A link there is refused, never followed; so is anything
-    but a regular file (a FIFO would block)."""
+def open_appending(path: str | Path, binary: bool = False) -> TextIO | BinaryIO:
+    """`path` opened to append text, or bytes (created if absent). A link there is refused, never followed; so is
+    anything but a regular file (a FIFO would block)."""
     try:
         descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise LinkRefused(Path(path)) from None
+        if e.errno in (errno.ELOOP, errno.ENXIO):  # ENXIO: a FIFO no process reads, or a socket
+            raise LinkRefused(Path(path), link=e.errno == errno.ELOOP) from None
         raise
     if not stat.S_ISREG(os.fstat(descriptor).st_mode):
         os.close(descriptor)
         raise LinkRefused(Path(path), link=False)
-    return open(descriptor, "a")
+    return open(descriptor, "ab" if binary else "a")
 
 
 def fsync_dir(folder: str | Path) -> None:

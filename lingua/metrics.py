@@ -16,7 +16,7 @@ import torch
 from lingua.args import UserError, at_least, require
 from lingua.distributed import all_reduce, rank_and_world
 from lingua.files import Fence, atomic_write, open_appending, refuse_link, unfenced
-from lingua.untrusted import Malformed, parse_json
+from lingua.untrusted import Malformed, parse_json, read_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class MetricLogger:
             refuse_link(path)
             if path.exists():
                 # a line torn by a kill, or that is not a record, is dropped with the rest past the checkpoint
-                lines = path.read_text(errors="replace").splitlines()
+                lines = read_bytes(path, "metrics file").decode(errors="replace").splitlines()
                 kept = [line for line in lines if _step_of(line, default=resume_step + 1) <= resume_step]
                 atomic_write(path, "".join(line + "\n" for line in kept))
             self.file = open_appending(path)
@@ -161,10 +161,12 @@ class MetricLogger:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl (none if it does not exist). A line that is not a JSON object (torn by a killed
-    writer, or written by something else) is skipped, with one warning that counts them."""
+    """The records of a metrics.jsonl (none if it does not exist; a UserError if it is not a regular file or cannot
+    be read). A line that is not a JSON object (torn by a killed writer, or written by something else, bytes that are
+    not UTF-8 included) is skipped, with one warning that counts them."""
     records, skipped = [], 0
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+    lines = read_bytes(path, "metrics file").decode(errors="replace").splitlines() if path.exists() else []
+    for line in lines:
         record = _record(line)
         if record is None:
             skipped += 1

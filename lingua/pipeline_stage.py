@@ -16,7 +16,7 @@ from typing import Any
 
 from lingua import untrusted
 from lingua.args import UserError
-from lingua.files import atomic_write
+from lingua.files import atomic_write, open_appending
 from lingua.launcher import read_job_record
 from lingua.lifecycle import boot_id, process_start
 from lingua.pipeline_plan import Stage
@@ -50,7 +50,11 @@ def run_stage(folder: str, stage: Stage, code: str) -> str:
         (folder_path / STAGE_FAILED).unlink(missing_ok=True)
     received: list[int] = []
     start = time.time()
-    with open(log, "ab") as out:
+    try:
+        out = open_appending(log, binary=True)  # a received pipeline folder may hold a link there
+    except OSError as e:
+        raise UserError(f"cannot write {log}: {e.strerror}") from None
+    with out:
         out.write(f"$ {shlex.join(stage.command())}\n".encode())
         out.flush()
         process = subprocess.Popen(stage.command(), cwd=code, stdout=out, stderr=subprocess.STDOUT,

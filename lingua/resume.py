@@ -146,13 +146,14 @@ def architecture_changes(old_config: dict, config) -> list[str]:
 
 
 def retrying_reads(read: Callable, path: Path):
-    """`read()`, tried again after an I/O error (`READ_ATTEMPTS` in all); a UserError once it keeps failing."""
+    """`read()`, tried again after an I/O error (`READ_ATTEMPTS` in all); a UserError once it keeps failing. A
+    missing file is no I/O error: DamagedCheckpoint."""
     for attempt in range(1, READ_ATTEMPTS + 1):
         try:
             return read()
+        except FileNotFoundError as e:  # a checkpoint's file gone (deleted since it was listed) is damage
+            raise DamagedCheckpoint(f"{Path(e.filename).name if e.filename else 'a file'} is missing") from None
         except OSError as e:
-            if isinstance(e, FileNotFoundError):  # a checkpoint's missing file is damage: `read` says so
-                raise
             _wait_to_read_again(path, _unread(e), attempt)
 
 

@@ -25,6 +25,8 @@ submitit/ too; their names are here as well.
 from dataclasses import dataclass
 from pathlib import Path
 
+from lingua.errors import UserError
+
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 LOG = "train.log"
@@ -117,8 +119,9 @@ class RunFolder:
         return self.root / f"{kind}_eval"
 
     def evaluation(self, kind: str, checkpoint: Path) -> Path:
-        """Where the `kind` evaluation of one of the run's checkpoints is filed: named after the checkpoint."""
-        return self.evaluations(kind) / checkpoint.name.removesuffix(".pt")
+        """Where the `kind` evaluation of one of the run's checkpoints is filed: named after the checkpoint (refused if
+        a link would take it out of the run folder: `writable`)."""
+        return self.writable(self.evaluations(kind) / checkpoint.name.removesuffix(".pt"))
 
     def evaluation_results(self, kind: str) -> list[Path]:
         """The results file of each of the run's `kind` evaluations, by path."""
@@ -126,5 +129,20 @@ class RunFolder:
 
     @property
     def feature_cache(self) -> Path:
-        """The GLUE probes' cached features of the run's checkpoints."""
-        return self.evaluations("glue") / FEATURE_CACHE
+        """The GLUE probes' cached features of the run's checkpoints (refused behind a link: `writable`)."""
+        return self.writable(self.evaluations("glue") / FEATURE_CACHE)
+
+    def writable(self, path: Path) -> Path:
+        """`path`, a folder the library writes into inside the run folder, once neither it nor any folder between
+        the run folder and it is a symbolic link (dangling or not): a write through one would land outside the run
+        folder, in another run's, say, and a prune there would delete that run's files. Else one line, before
+        anything is written. (A link at a file the library writes is lingua.files.atomic_write's to refuse.)"""
+        at = self.root
+        for name in path.relative_to(self.root).parts:
+            at = at / name
+            if at.is_symlink():
+                elsewhere = "; to keep checkpoints on another disk, put the whole dump_dir there" \
+                    if at == self.checkpoints else ""
+                raise UserError(f"{at} is a symbolic link, which the library never writes through (delete it"
+                                f"{elsewhere})")
+        return path

@@ -47,7 +47,7 @@ import yaml
 from lingua import pipeline, untrusted
 from lingua.app import load_app
 from lingua.args import UserError, command_line, from_dict, load_config, parse_assignment, read_yaml, set_dotted
-from lingua.files import atomic_write
+from lingua.files import atomic_write, open_appending
 from lingua.launcher import (
     LauncherArgs,
     executor_for,
@@ -214,17 +214,21 @@ def _stderr_into(path: Path):
     """Processes started inside write their stderr into `path`, never through a link: submitit's local job
     controllers, which print a KeyboardInterrupt traceback when their job is cancelled or the terminal's Ctrl-C
     reaches them (stool then prints one line; their jobs' own output goes to their log files)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr.flush()
-    saved, log = os.dup(2), os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
     try:
-        os.dup2(log, 2)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = open_appending(path)
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror}") from None
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        os.dup2(log.fileno(), 2)
         yield
     finally:
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
-        os.close(log)
+        log.close()
 
 
 class _Terminated(Exception):

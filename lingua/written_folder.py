@@ -24,11 +24,14 @@ def record(folder: Path, marker: str, names: Iterable[str], **fields) -> None:
 
 
 def listed(folder: Path, marker: str) -> set[str]:
-    """The names the folder's marker lists; none when it has no marker, or one that is not a marker."""
+    """The names the folder's marker lists; none when it has no marker, or one that is not a marker. A marker that
+    cannot be read (EIO) is a UserError: that is no proof the folder holds files the library did not write."""
     try:
         content = untrusted.parse_json(regular_file(folder / marker, inside=folder).read_bytes())
-    except (RefusedFile, OSError, untrusted.Malformed):
+    except (RefusedFile, FileNotFoundError, untrusted.Malformed):
         return set()
+    except OSError as e:
+        raise UserError(f"cannot read {folder / marker}: {e.strerror}") from None
     files = content.get("files") if isinstance(content, dict) else None
     return {name for name in files if isinstance(name, str)} if isinstance(files, list) else set()
 

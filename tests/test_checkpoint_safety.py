@@ -5,6 +5,7 @@ that are not records are skipped."""
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from test_checkpoint import _model_and_optimizer
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from apps.bert.train import APP
+from lingua import resume
 from lingua.args import UserError, load_config
 from lingua.checkpoint import (
     MANIFEST,
@@ -353,3 +355,83 @@ def test_metrics_lines_that_are_not_records_are_skipped(tmp_path, caplog):
     with MetricLogger(path, 1, LoggingArgs(), {}):  # a resume keeps the records up to its step, drops the rest
         pass
     assert read_metrics(path) == [{"step": 1, "loss": 2.0}]
+
+
+TWO_RANKS_SAVE = '''
+import sys
+
+import torch
+import torch.distributed as dist
+
+from lingua import checkpoint
+from lingua.args import UserError
+from lingua.checkpoint import CheckpointArgs, CheckpointManager
+
+dist.init_process_group("gloo")
+rank, how, fence_checks = dist.get_rank(), sys.argv[2], []
+
+
+def fence():  # rank 0's lease, taken over between the first stage of the save and the second
+    fence_checks.append(1)
+    return "the run's lease was taken over" if how == "lease lost" and len(fence_checks) > 1 else None
+
+
+if how == "ctrl_c on rank 1":  # after DCP's part (which hands an interruption to every rank), writing its state
+    def interrupted(path, data):
+        raise KeyboardInterrupt
+    if rank == 1:
+        checkpoint.atomic_write = interrupted
+model, outcome = torch.nn.Linear(4, 4), "saved"
+try:
+    CheckpointManager(sys.argv[1], CheckpointArgs(), fence).save(
+        10, model, torch.optim.AdamW(model.parameters()), {"step": 10}, {"app": "apps.bert.train", "config": {}})
+except UserError as e:
+    outcome = f"stopped: {e}"
+except KeyboardInterrupt:
+    outcome = "interrupted"
+with open(f"{sys.argv[1]}.rank{rank}", "w") as f:
+    f.write(outcome)
+'''
+
+
+@pytest.mark.parametrize("how", ["lease lost", "ctrl_c on rank 1"])
+def test_every_rank_of_a_save_stops_the_same_way(tmp_path, how):
+    """Only rank 0 checked the lease: finding it lost, it skipped the write while the others waited in DCP's
+    collectives for it (a hang). A second Ctrl-C on one rank stopped that rank with 130, the others with 2."""
+    script = tmp_path / "save.py"
+    script.write_text(TWO_RANKS_SAVE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           str(tmp_path / "checkpoints"), how]
+    result = run_to_the_end(cmd, timeout=120)
+    said = [(tmp_path / f"checkpoints.rank{rank}").read_text() for rank in (0, 1)]
+    if how == "lease lost":
+        assert said == ["stopped: the run's lease was taken over"] * 2, result.stderr[-2000:]
+    else:
+        assert said == ["interrupted"] * 2, result.stderr[-2000:]
+        assert not (tmp_path / "checkpoints" / "0000000010.tmp").exists()
+    assert not (tmp_path / "checkpoints" / "0000000010").exists()
+
+
+def test_an_io_error_reading_a_consolidated_file_is_not_taken_for_another_file(tmp_path, monkeypatch):
+    path = tmp_path / "consolidated.pt"
+    path.write_bytes(b"weights")
+
+    def failing_load(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(torch, "load", failing_load)
+    with pytest.raises(UserError) as refused:
+        Checkpoint.open(path)
+    assert str(refused.value) == f"cannot read {path}: Input/output error"
+
+
+def test_a_file_gone_since_the_checkpoint_was_listed_is_damage(tmp_path, monkeypatch):
+    """A FileNotFoundError from a checkpoint's read (its file deleted since the folder was listed) escaped the
+    resume as a bare OSError."""
+    checkpoint = _saved(tmp_path / "run" / "checkpoints", step=10)
+
+    def gone(path):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path / "train_state_00000.json"))
+    monkeypatch.setattr(resume, "verify", gone)
+    assert resume.resumed_config(tmp_path / "run") is None  # damaged: resume() sets it aside
+    with pytest.raises(DamagedCheckpoint, match="^train_state_00000.json is missing$"):
+        resume.retrying_reads(lambda: gone(checkpoint), checkpoint)

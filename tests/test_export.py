@@ -2,6 +2,7 @@
 sentence-transformers our embeddings, the exported tokenizer our ids; the folder's code needs no Lingua."""
 
 import ast
+import errno
 import json
 import random
 import shutil
@@ -14,6 +15,7 @@ import torch
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
+from lingua import written_folder
 from lingua.args import UserError, load_config, to_dict
 from lingua.checkpoint import build_from_params, load_model, save_consolidated
 from lingua.embed import load_embedder
@@ -345,3 +347,19 @@ def test_a_run_folder_copied_to_another_machine_opens(tmp_path, monkeypatch):
     here = ["data.tokenizer.name=gpt2", "validation.every=0", f"init_from={copy}"]
     train(BERT, load_config(BERT.args_cls, tiny_argv(data, next_run, 2) + here))
     assert (next_run / "consolidated.pt").exists() and not run.exists()
+
+
+def test_an_earlier_export_whose_marker_cannot_be_read_is_said_so(runs, tmp_path, monkeypatch, capsys):
+    """An I/O error reading the marker counted as "no marker": the export was refused as holding foreign files."""
+    folder = export_to(tmp_path / "hf", runs["attention"])
+    before = files_of(folder)
+
+    class Unreadable(type(folder)):
+        def read_bytes(self):
+            raise OSError(errno.EIO, "Input/output error", str(self))
+    monkeypatch.setattr(written_folder, "regular_file", lambda path, inside=None: Unreadable(path))
+    with pytest.raises(SystemExit) as exit_info:
+        main([f"ckpt={runs['mean']}", f"out={folder}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err == f"error: cannot read {folder / MARKER}: Input/output error\n"
+    assert files_of(folder) == before

@@ -359,3 +359,22 @@ def test_status_reads_a_pipeline_folder_from_anyone_without_leaving_it(tmp_path,
         stool.main(["status", str(out)])
     assert exit_status.value.code == 2 and capsys.readouterr().err == (
         f"error: {out / 'pipeline.json'} is not a pipeline record (stages with names, modules, arguments and needs)\n")
+
+
+def test_a_link_at_a_stage_log_is_refused_not_followed(tmp_path):
+    """A received pipeline folder whose stage log links elsewhere: the stage's output was appended there."""
+    pipeline = write(tmp_path / "one.yaml", f"""\
+        dump_dir: {tmp_path / "out"}
+        stages:
+          free:
+            run: timeit -n 1 pass
+        """)
+    log = tmp_path / "out" / "stages" / "free" / "log.txt"
+    log.parent.mkdir(parents=True)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("someone's file\n")
+    log.symlink_to(outside)
+    result = run_to_the_end(pipeline_command(f"pipeline={pipeline}", "cluster=local"))
+    assert result.returncode == 2
+    assert f"error: cannot write {log}: a symbolic link, which the library never writes through" in result.stderr
+    assert "Traceback" not in result.stderr and outside.read_text() == "someone's file\n"

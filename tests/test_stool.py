@@ -324,3 +324,20 @@ def test_a_run_named_outside_the_sweep_folder_is_refused(tmp_path, corpus):
     path = write_sweep(tmp_path, corpus, runs=[{"name": "../outside"}], grid={"optim.lr": [1e-3]})
     with pytest.raises(UserError, match="run name '../outside' is not a folder name"):
         stool.plan_sweep(str(path))
+
+
+@pytest.mark.parametrize("planted", ["link", "fifo"])
+def test_a_link_or_fifo_at_the_local_controllers_log_is_refused_in_one_line(tmp_path, corpus, capsys, planted):
+    """A link there was a bare OSError traceback; a FIFO blocked stool for ever."""
+    log = tmp_path / "sweep" / stool.SUBMITIT / stool.LOCAL_CONTROLLERS_LOG
+    log.parent.mkdir(parents=True)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("someone's file\n")
+    log.symlink_to(outside) if planted == "link" else os.mkfifo(log)
+    with pytest.raises(SystemExit) as exit_status:
+        stool.main(["sweep", f"sweep={write_sweep(tmp_path, corpus)}"])
+    err = capsys.readouterr().err
+    reason = "a symbolic link, which the library never writes through" if planted == "link" else \
+        "not a regular file, so the library does not write to it"
+    assert exit_status.value.code == 2 and err.startswith(f"error: cannot write {log}: {reason}"), err
+    assert len(err.splitlines()) == 1 and outside.read_text() == "someone's file\n"

@@ -49,6 +49,7 @@ def run(args: EmbeddingEvalArgs) -> dict:
     if args.pooling not in POOLINGS:
         raise UserError(f"pooling must be one of {', '.join(POOLINGS)}, got '{args.pooling}'")
     sts_sets = select_sts_sets(args) if args.sts else {}  # reading the files first: bad input fails before the model
+    path = output_path(args.out, Checkpoint.open(args.ckpt).path)  # a link there is refused before the evaluation
     embedder = load_embedder(args.ckpt, args.device, args.pooling, args.max_len, args.app or None)
     results: dict = {"checkpoint": args.ckpt, "args": asdict(args)}
     if args.retrieval:
@@ -56,7 +57,6 @@ def run(args: EmbeddingEvalArgs) -> dict:
                                                                                args.batch_size)}
     if sts_sets:
         results["sts"] = {name: evaluate_sts(embedder, pairs, args.batch_size) for name, pairs in sts_sets.items()}
-    path = output_path(args.out, Checkpoint.open(args.ckpt).path)
     try:
         atomic_write(path, json.dumps(results, indent=1))
     except OSError as e:

@@ -69,13 +69,13 @@ def run(args: GlueCommandArgs) -> dict:
     checkpoint = opened.path
     args = replace(args, max_len=probe_length(args, config.data.seq_len, config.model.encoder.max_seqlen))
     run = RunFolder.of(checkpoint)
+    path = results_path(args.out, run, checkpoint)  # a link there is refused before the probes run
     cache = FeatureCache(args.cache_dir or run.feature_cache, checkpoint_identity(checkpoint))
     results = {"checkpoint": str(checkpoint), "args": asdict(args),
                **evaluate_glue(model, tokenizer, args, device, cache)}
     if not results["tasks"]:
         raise UserError("no GLUE task could be evaluated: " + "; ".join(
             f"{name}: {why}" for name, why in results["skipped"].items()))
-    path = results_path(args.out, run, checkpoint)
     try:
         atomic_write(path, json.dumps(results, indent=1))
     except OSError as e:
