@@ -12,7 +12,8 @@ from it, and the rules over them. No other module spells these names (tests/test
     submitted.yaml       the config stool submitted (lingua/stool.py)
     job.json             the record of the job that runs it (lingua/launcher.py)
     submitit/, code/     submitit's files of its job and the code snapshots its jobs run (a run submitted alone;
-                         the runs of a sweep share the sweep folder's)
+                         the runs of a sweep share the sweep folder's; a local sweep's submitit/ holds
+                         local_controllers.log, the stderr of submitit's local job controllers)
     glue_eval/, embedding_eval/, mteb_eval/
                          the evaluations of its checkpoints (tools/eval), one folder per checkpoint, each with a
                          results.json; glue_eval/cache/ holds the probes' cached features
@@ -38,6 +39,7 @@ LOCK = ".lock"
 SUBMITTED = "submitted.yaml"
 JOB_RECORD = "job.json"
 SUBMITIT = "submitit"
+LOCAL_CONTROLLERS_LOG = "local_controllers.log"  # in a submitit folder: what submitit's local controllers print
 CODE = "code"
 RESULTS = "results.json"  # what an evaluation writes into its folder
 EVALUATIONS = ("glue", "embedding", "mteb")  # the tools/eval commands that file their results with the run

@@ -56,10 +56,9 @@ from lingua.launcher import (
     split_arguments,
     write_job_record,
 )
-from lingua.run_folder import CODE, PIPELINE_RECORD, SUBMITIT, SWEEP_RECORD, RunFolder
+from lingua.run_folder import CODE, LOCAL_CONTROLLERS_LOG, PIPELINE_RECORD, SUBMITIT, SWEEP_RECORD, RunFolder
 from lingua.run_status import describe, format_status, is_folder_name, status_rows
 
-LOCAL_CONTROLLERS_LOG = "local_controllers.log"  # in the submitit folder: what submitit's local controllers print
 PATH_KEYS = ("dump_dir", "data.root_dir", "data.path", "data.tokenizer.path", "init_from", "eval.data")  # made absolute
 
 
