@@ -14,12 +14,12 @@ else. An app that trains on something other than packed text rows (contrastive t
 `DataPipeline`; one that starts from another app's weights gives `load_init`
 (and `configure`, to take that run's shapes); one scored otherwise than by a loss on held-out rows gives `validate`
 (fine-tuning: dev-set metrics); one measured otherwise too during training (e.g. an STS score) gives `evaluations`.
-`configure` decides and reads no file: the loop reads, once, what the run starts from (lingua/resume.py `Start`:
-init_from opened, the resumed run's config, the data pipeline's `check`). The loop builds the model on the meta
+`configure` decides and reads no file: the loop reads, once, what the run starts from (lingua/checkpoint/resume.py
+`Start`: init_from opened, the resumed run's config, the data pipeline's `check`). The loop builds the model on the meta
 device, parallelises it,
 materialises it and calls `init_weights`; it owns the data, the optimizer, the schedule, checkpoints, logging and
 the random generator; the model owns its masking, its loss, its FLOPs and its shape. No app imports another: what
-several apps share lives in `lingua/` (e.g. `lingua/masking.py`).
+several apps share lives in `lingua/` (e.g. `lingua/model/masking.py`).
 """
 
 import abc
@@ -33,15 +33,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from lingua.args import UserError, load_config
-from lingua.data import build_train_loader, repartition
+from lingua.args import UserError, from_dict, load_config
+from lingua.checkpoint.store import Checkpoint, short_reason
+from lingua.data.loader import build_train_loader, load_validation, repartition
+from lingua.data.tokenizer import build_tokenizer
 from lingua.distributed import DistributedArgs, Launch
-from lingua.masking import MaskedLMHead
+from lingua.model.masking import MaskedLMHead
+from lingua.model.pooler import AttentionPooler
+from lingua.model.scaling import ScalingLaws
+from lingua.model.transformer import Encoder, PreNormBlock, TransformerArgs, init_weights, trunc_normal_
 from lingua.parallel import parallelize
-from lingua.pooler import AttentionPooler
-from lingua.scaling import ScalingLaws
-from lingua.transformer import Encoder, PreNormBlock, TransformerArgs, init_weights, trunc_normal_
-from lingua.validation_rows import load_validation
 
 
 class AppModel(nn.Module, abc.ABC):
@@ -104,9 +105,9 @@ class AppModel(nn.Module, abc.ABC):
                 trunc_normal_(module.query, self.backbone.args.init_std)
 
     def pooler_warm_start(self) -> tuple[TransformerArgs, dict[str, torch.Tensor]] | None:
-        """What starts another run's attention pooler (lingua/pretrained.py): its block shapes and its weights under
-        the pooler's names (lingua/pooler.py); by default the model's own attention pooler (`pooler`: a contrastive
-        or fine-tuning run's), None without one (a cold start)."""
+        """What starts another run's attention pooler (lingua/checkpoint/pretrained.py): its block shapes and its
+        weights under the pooler's names (lingua/model/pooler.py); by default the model's own attention pooler
+        (`pooler`: a contrastive or fine-tuning run's), None without one (a cold start)."""
         pooler = getattr(self, "pooler", None)
         return (pooler.args, pooler.state_dict()) if isinstance(pooler, AttentionPooler) else None
 
@@ -124,7 +125,7 @@ class DataPipeline:
     build_loader: Callable  # (data args, tokenizer, rank, world_size, state or None) -> endless iterator of batches
     # with state_dict() (plain JSON: where the next batch starts), malformed_lines and close()
     load_validation: Callable  # (data args, tokenizer, n_rows) -> fixed validation rows, the batch first (a tensor,
-    # or lingua.validation_rows.ValidationRows: rows of several sources)
+    # or lingua.data.loader.ValidationRows: rows of several sources)
     repartition: Callable  # (states saved by N ranks, world_size, data args) -> one state per new rank
     row_shape: Callable  # (data args) -> the shape of one row of a batch, e.g. (seq_len,)
     check: Callable = lambda args: {}  # (data args as given) -> facts `configure` decides from, e.g. {"train_rows":
@@ -139,16 +140,16 @@ class App:
     name: str  # the module that defines APP, e.g. "apps.bert.train"; stored with checkpoints to rebuild the model
     args_cls: type  # a TrainArgs subclass with a `model` field
     build_model: Callable[[Any, Any], AppModel]  # (model args, tokenizer) -> model, called on the meta device
-    data: DataPipeline = TEXT  # packed rows of the text corpus (lingua/data.py)
-    configure: Callable[[Any, Any], Any] | None = None  # (config, lingua.resume.Start) -> the config the run trains
-    # with (e.g. init_from's shapes); it decides from what it is given and reads no file
+    data: DataPipeline = TEXT  # packed rows of the text corpus (lingua/data/loader.py)
+    configure: Callable[[Any, Any], Any] | None = None  # (config, lingua.checkpoint.resume.Start) -> the config the run
+    # trains with (e.g. init_from's shapes); it decides from what it is given and reads no file
     load_init: Callable[[Any, Any], dict] | None = None  # (init_from's Checkpoint, model) -> the config it was
     # trained with; default: the checkpoint's weights into the model as it is (Checkpoint.load_into)
     validate: Callable | None = None  # (model, validation rows, ValidationArgs, data args, device, Launch) ->
     # {"val/...": value}, equal on every rank: the app's own validation, in place of the loss on the validation rows
-    evaluations: Callable | None = None  # (lingua.validation.EvalContext) -> more evaluations the loop runs during
-    # training, after the validation and the GLUE probes (lingua.validation.Evaluation: name, keep_best ("": none),
-    # due(step), run(step))
+    evaluations: Callable | None = None  # (lingua.training.validation.EvalContext) -> more evaluations the loop runs
+    # during training, after the validation and the GLUE probes (lingua.training.validation.Evaluation: name, keep_best
+    # ("": none), due(step), run(step))
     parallelize: Callable | None = None  # (model, DistributedArgs, Launch, device): the app's own parallelism
     # plan; default: activation checkpointing, compile and FSDP2 per sharding unit (lingua/parallel.py)
     scaling: ScalingLaws | None = None  # its batch-size and learning-rate laws, for `tools.scaling plan`
@@ -267,3 +268,41 @@ def build_model(build_fn, model_args, tokenizer, device: torch.device, seed: int
     with torch.no_grad():
         model.init_weights()
     return model
+
+
+def checkpoint_app(checkpoint: Checkpoint) -> App:
+    """The app that rebuilds a checkpoint's model: the one it names if that is one of this code's, or the one the
+    user named for this command (`Checkpoint.open(path, app)`); any other is refused before it is imported."""
+    return trusted_app(checkpoint.app_name, checkpoint.named_app, f"checkpoint {checkpoint.path}")
+
+
+def build_from_params(params: dict, device: str | torch.device = "cpu", app: str | None = None,
+                      where: str = "the checkpoint"):
+    """The (initialised, untrained) model, config and tokenizer of {"app": module, "config": dict}, built by one of
+    this code's apps or by `app`, the one the user named on the command line; any other app is refused, unimported."""
+    name = params["app"]
+    try:
+        builder = trusted_app(name, app, where)
+    except ImportError as e:  # the app is there, but not what it imports
+        raise UserError(f"{where}'s app {name!r} cannot be imported ({short_reason(e)})") from None
+    config = from_dict(builder.args_cls, params["config"])
+    tokenizer = build_tokenizer(config.data.tokenizer)
+    return build_model(builder.build_model, config.model, tokenizer, torch.device(device)), config, tokenizer
+
+
+def build_checkpoint_model(checkpoint: Checkpoint, device: str | torch.device = "cpu"):
+    """The model of a checkpoint's config, initialised (no weight is read), its config and its tokenizer."""
+    return build_from_params(checkpoint.params, device, checkpoint.named_app, f"checkpoint {checkpoint.path}")
+
+
+def load_model(source: str | Path | Checkpoint, device: str | torch.device = "cpu", app: str | None = None):
+    """The trained model (eval mode), its config and its tokenizer, built from the checkpoint's own config: `source`
+    an opened Checkpoint or anything `Checkpoint.open` accepts (`app`: as there)."""
+    checkpoint = source if isinstance(source, Checkpoint) else Checkpoint.open(source, app)
+    model, config, tokenizer = build_checkpoint_model(checkpoint, device)
+    mismatched = checkpoint.mismatches(model)
+    if mismatched:  # the model was rebuilt from the checkpoint's own config: its files do not match it
+        raise UserError(f"checkpoint {checkpoint.path} is damaged: its tensors do not match its config (first: "
+                        f"{mismatched[0]})")
+    checkpoint.load_into(model)
+    return model.eval(), config, tokenizer

@@ -25,9 +25,9 @@ from typing import Any, TypeVar
 
 import yaml
 
-from lingua import untrusted
 from lingua.errors import UserError
-from lingua.files import atomic_write
+from lingua.files import untrusted
+from lingua.files.safe import atomic_write
 
 T = TypeVar("T")
 

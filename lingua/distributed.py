@@ -1,6 +1,6 @@
 """The processes of a run: the launch (torchrun, SLURM srun, one process), each rank's device, the process group,
 and the collectives the library uses (metrics, rank 0's checks, failures raised on every rank). How a model is
-parallelised is lingua/parallel.py; signals, requeue and the run lock are lingua/lifecycle.py.
+parallelised is lingua/parallel.py; signals, requeue and the run lock are lingua/training/lifecycle.py.
 
 Nothing here assumes CUDA, a GPU count per node or a cluster: on CPU the process group is gloo; on GPUs, nccl.
 """
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lingua.args import UserError, at_least, require
 
@@ -250,3 +252,13 @@ def collective_failure(error: BaseException) -> str | None:
     return "timeout" if "imed out" in text or "imeout" in text else "lost"
 
 
+def parameters_finite(model: nn.Module, optimizer=None) -> bool:
+    """Whether every weight of the model, and of the optimizer's state, is finite (every shard, on every rank): one
+    reduction, one host sync."""
+    tensors = [*model.parameters()]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    finite_ranks = all_reduce(torch.stack([torch.isfinite(p).all() for p in local]).all().float().reshape(1))
+    return finite_ranks.item() == rank_and_world()[1]

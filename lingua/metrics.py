@@ -15,8 +15,8 @@ import torch
 
 from lingua.args import UserError, at_least, require
 from lingua.distributed import all_reduce, rank_and_world
-from lingua.files import Fence, atomic_write, open_appending, refuse_link, unfenced
-from lingua.untrusted import Malformed, parse_json, read_bytes
+from lingua.files.safe import Fence, atomic_write, open_appending, refuse_link, unfenced
+from lingua.files.untrusted import Malformed, parse_json, read_bytes
 
 logger = logging.getLogger(__name__)
 

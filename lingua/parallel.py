@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lingua.args import UserError
 from lingua.distributed import DistributedArgs, Launch
+from lingua.errors import UserError
 
 
 def autocast(device: torch.device):

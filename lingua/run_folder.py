@@ -5,12 +5,12 @@ from it, and the rules over them. No other module spells these names (tests/test
     metrics.jsonl        one record per logged step and evaluation (lingua/metrics.py)
     train.log            every rank's log
     checkpoints/         the checkpoints; inside it, the layout of each step (NNNNNNNNNN/ with params.json,
-                         train_state_NNNNN.json, manifest.json) is lingua/checkpoint.py's CheckpointManager's
+                         train_state_NNNNN.json, manifest.json) is lingua/checkpoint/store.py's CheckpointManager's
     consolidated.pt      the final weights in one file, with the app and the config: the run is finished
     best.pt, best.json   the weights and the validation record of the best evaluation (validation.keep_best)
-    .lock                the run's lease (lingua/lifecycle.py's RunLock)
+    .lock                the run's lease (lingua/training/lifecycle.py's RunLock)
     submitted.yaml       the config stool submitted (lingua/stool.py)
-    job.json             the record of the job that runs it (lingua/launcher.py)
+    job.json             the record of the job that runs it (lingua/jobs/launcher.py)
     submitit/, code/     submitit's files of its job and the code snapshots its jobs run (a run submitted alone;
                          the runs of a sweep share the sweep folder's; a local sweep's submitit/ holds
                          local_controllers.log, the stderr of submitit's local job controllers)
@@ -19,8 +19,8 @@ from it, and the rules over them. No other module spells these names (tests/test
                          results.json; glue_eval/cache/ holds the probes' cached features
 
 A sweep's folder (sweep.json, kept by lingua/stool.py) and a pipeline's (pipeline.json, stages/STAGE/ with done.json,
-started.json, failed.json and job.json, kept by lingua/pipeline.py and lingua/pipeline_stage.py) hold code/ and
-submitit/ too; their names are here as well.
+started.json, failed.json and job.json, kept by lingua/jobs/pipeline.py and lingua/jobs/pipeline_stage.py) hold code/
+and submitit/ too; their names are here as well.
 """
 
 from dataclasses import dataclass
@@ -138,7 +138,7 @@ class RunFolder:
         """`path`, a folder the library writes into inside the run folder, once neither it nor any folder between
         the run folder and it is a symbolic link (dangling or not): a write through one would land outside the run
         folder, in another run's, say, and a prune there would delete that run's files. Else one line, before
-        anything is written. (A link at a file the library writes is lingua.files.atomic_write's to refuse.)"""
+        anything is written. (A link at a file the library writes is lingua.files.safe.atomic_write's to refuse.)"""
         at = self.root
         for name in path.relative_to(self.root).parts:
             at = at / name

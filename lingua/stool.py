@@ -27,7 +27,7 @@ the values it sets:
     launcher: {nodes: 1, gpus_per_node: 8, partition: learn, time: 720}   # stool's keys (command line wins)
 
 A pipeline chains commands (training, evaluation, tables) into stages that start when the stages they need are
-done: lingua/pipeline.py describes its file.
+done: lingua/jobs/pipeline.py describes its file.
 """
 
 import contextlib
@@ -44,11 +44,12 @@ from typing import Any
 
 import yaml
 
-from lingua import pipeline, untrusted
 from lingua.app import load_app
 from lingua.args import UserError, command_line, from_dict, load_config, parse_assignment, read_yaml, set_dotted
-from lingua.files import atomic_write, open_appending
-from lingua.launcher import (
+from lingua.files import untrusted
+from lingua.files.safe import atomic_write, open_appending
+from lingua.jobs import pipeline
+from lingua.jobs.launcher import (
     LauncherArgs,
     executor_for,
     refused_by_slurm,
@@ -56,8 +57,8 @@ from lingua.launcher import (
     split_arguments,
     write_job_record,
 )
+from lingua.jobs.status import describe, format_status, is_folder_name, status_rows
 from lingua.run_folder import CODE, LOCAL_CONTROLLERS_LOG, PIPELINE_RECORD, SUBMITIT, SWEEP_RECORD, RunFolder
-from lingua.run_status import describe, format_status, is_folder_name, status_rows
 
 PATH_KEYS = ("dump_dir", "data.root_dir", "data.path", "data.tokenizer.path", "init_from", "eval.data")  # made absolute
 

@@ -3,12 +3,12 @@
 An app (apps/<name>/train.py) supplies only its model and config: `App(name, args_cls, build_model)`, following the
 contract in lingua/app.py. Everything about a run lives in its `dump_dir`; restarting with the same dump_dir
 resumes from the newest checkpoint that loads and continues exactly, on the same or another number of processes
-(lingua/resume.py).
+(lingua/checkpoint/resume.py).
 
 The same command runs in one process, under `torchrun` or under SLURM's `srun` (lingua/distributed.py): each rank
 trains on its own share of the data; gradients are reduced by FSDP2; only rank 0 writes logs and metrics, whose
 values are means over all ranks. Every decision that all ranks must share comes from one reduced value
-(lingua/lifecycle.py: `agree`), never from a rank's own state.
+(lingua/training/lifecycle.py: `agree`), never from a rank's own state.
 
 Exit status of `main`: 0 the run finished (or had nothing left to do); 2 a one-line error (a bad config or input,
 a refused start, a failed write, a collective that timed out); EXIT_STOPPED a stop signal saved a checkpoint (the
@@ -32,8 +32,10 @@ import torch.distributed as dist
 
 from lingua.app import App, build_model
 from lingua.args import UserError, at_least, command_line, dump_config, load_config, require, to_dict
-from lingua.checkpoint import CheckpointArgs, CheckpointManager, TrainState, save_consolidated
-from lingua.data import DataArgs, ReadAhead
+from lingua.checkpoint.resume import Start, architecture_changes, open_start, resume
+from lingua.checkpoint.store import CheckpointArgs, CheckpointManager, TrainState, save_consolidated
+from lingua.data.loader import DataArgs, ReadAhead
+from lingua.data.tokenizer import build_tokenizer
 from lingua.distributed import (
     DistributedArgs,
     Launch,
@@ -46,19 +48,8 @@ from lingua.distributed import (
     on_rank_zero,
     resolve_device,
 )
-from lingua.divergence import Diverged, NonFiniteGuard
 from lingua.eval.glue import GlueEvalArgs
-from lingua.files import atomic_write, remove_partial_writes
-from lingua.flops import count_params
-from lingua.lifecycle import (
-    LifecycleArgs,
-    RunLock,
-    StopSignal,
-    agree,
-    requeue_slurm_job,
-    stop_signals_held_for_the_main_thread,
-)
-from lingua.memory import memory_shortfall
+from lingua.files.safe import atomic_write, remove_partial_writes
 from lingua.metrics import (
     LoggingArgs,
     MetricLogger,
@@ -71,12 +62,21 @@ from lingua.metrics import (
     reduce_over_ranks,
     setup_logging,
 )
-from lingua.optim import OptimArgs, build_optimizer, lr_at, set_lr
-from lingua.resume import Start, architecture_changes, open_start, resume
+from lingua.model.flops import count_params
 from lingua.run_folder import RunFolder
-from lingua.step import training_step
-from lingua.tokenizer import build_tokenizer
-from lingua.validation import EvalContext, ValidationArgs, build_evaluations, check_evaluations
+from lingua.training.divergence import Diverged, NonFiniteGuard
+from lingua.training.lifecycle import (
+    LifecycleArgs,
+    RunLock,
+    StopSignal,
+    agree,
+    requeue_slurm_job,
+    stop_signals_held_for_the_main_thread,
+)
+from lingua.training.memory import memory_shortfall
+from lingua.training.optim import OptimArgs, build_optimizer, lr_at, set_lr
+from lingua.training.step import training_step
+from lingua.training.validation import EvalContext, ValidationArgs, build_evaluations, check_evaluations
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class Trainer:
         self.throughput = Throughput(self.model, config.data.batch_size * config.grad_acc_steps,
                                      math.prod(app.data.row_shape(config.data)), config.data.seq_len, launch.world_size,
                                      peak_flops(config.logging, device))
-        self.guard, self.window = NonFiniteGuard(device, self.checkpoints), Window()
+        self.guard, self.window = NonFiniteGuard(device, self.checkpoints.latest), Window()
         self.evaluations = build_evaluations(app, EvalContext(self.model, self.tokenizer, config, device, launch,
                                                               self.guard))
         logger.info(

@@ -406,7 +406,7 @@ def _number(value) -> str:
 
 def prepare(folder: Path) -> int:
     """What must travel to a GPU machine without network; returns its size in bytes."""
-    from lingua.tokenizer import default_tokenizer_dir
+    from lingua.data.tokenizer import default_tokenizer_dir
 
     (folder / "wheels").mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",

@@ -4,7 +4,7 @@ The file ships as whisper/assets/gpt2.tiktoken inside the `openai-whisper` packa
 source archive only. We download that archive from PyPI's file host ourselves (pip would run the package's build code
 to read its metadata, before any hash of ours is checked), check it against its published sha256 before opening it,
 take that one file out, check it against tiktoken's published sha256 for r50k_base and write it atomically where
-lingua/tokenizer.py looks first.
+lingua/data/tokenizer.py looks first.
 
     python setup/fetch_tokenizer.py [--out DIR] [--archive FILE]
         # DIR: $LINGUA_TOKENIZER_DIR or ~/.cache/lingua by default; FILE: the archive fetched another way (a mirror)
@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from lingua.args import UserError
-from lingua.files import atomic_write, fsync_dir
-from lingua.tokenizer import R50K_FILENAME, R50K_SHA256, default_tokenizer_dir, sha256_of
+from lingua.data.tokenizer import R50K_FILENAME, R50K_SHA256, default_tokenizer_dir, sha256_of
+from lingua.files.safe import atomic_write, fsync_dir
 
 WHISPER = "openai-whisper==20250625"
 ARCHIVE_URL = ("https://files.pythonhosted.org/packages/35/8e/d36f8880bcf18ec026a55807d02fe4c7357da9f25aebd92f85178000c0dc/"

@@ -1,4 +1,4 @@
-"""Write training data in the layout lingua/data.py reads:
+"""Write training data in the layout lingua/data/loader.py reads:
 
     ROOT/SOURCE/train.00000.jsonl, train.00001.jsonl, ...   one {"text": ...} document per line
     ROOT/SOURCE/valid.jsonl                                 held-out documents
@@ -49,11 +49,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from lingua import written_folder
 from lingua.args import UserError
-from lingua.files import fsync_dir
-from lingua.tokenizer import sha256_of
-from lingua.untrusted import Malformed, parse_json
+from lingua.data.tokenizer import sha256_of
+from lingua.files import written_folder
+from lingua.files.safe import fsync_dir
+from lingua.files.untrusted import Malformed, parse_json
 
 MARKER = "prepared.json"  # in every folder this script writes: the files that --overwrite may replace
 WRITTEN_BY = "setup/prepare_data.py"

@@ -18,11 +18,11 @@ from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
 from lingua.app import build_model
 from lingua.args import load_config
+from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.distributed import DistributedArgs, all_reduce, destroy_process_group, detect_launch, init_process_group
-from lingua.optim import OptimArgs, build_optimizer
 from lingua.parallel import parallelize
-from lingua.step import training_step
-from lingua.tokenizer import TokenizerArgs, build_tokenizer
+from lingua.training.optim import OptimArgs, build_optimizer
+from lingua.training.step import training_step
 
 GLOBAL_ROWS, SEQ_LEN, STEPS = 8, 32, 4
 

@@ -12,8 +12,8 @@ import sys
 
 import torch.distributed as dist
 
-from lingua import step as training_step
 from lingua import train as loop
+from lingua.training import step as training_step
 
 STEP = int(sys.argv[1])
 steps_done = 0

@@ -18,11 +18,12 @@ from apps.crossbert.inspect import main as inspect_main
 from apps.crossbert.train import APP as CROSSBERT
 from apps.finetune import train as finetune
 from lingua import train as train_command
+from lingua.app import checkpoint_app, load_model
 from lingua.args import UserError, load_config
-from lingua.checkpoint import MANIFEST, PARAMS, Checkpoint, load_model
-from lingua.checkpoint import main as consolidate_main
-from lingua.embed import load_embedder
-from lingua.export import main as export_main
+from lingua.checkpoint.consolidate import main as consolidate_main
+from lingua.checkpoint.store import MANIFEST, PARAMS, Checkpoint
+from lingua.export.embedder import load_embedder
+from lingua.export.hf_folder import main as export_main
 from lingua.run_folder import RunFolder
 from tests.conftest import ENV, offline_data, tiny_argv, write_corpus
 from tests.test_contrastive import contrastive_argv, write_triplets
@@ -134,7 +135,8 @@ def test_a_checkpoint_naming_an_app_of_elsewhere_is_refused_unimported(received,
 @pytest.mark.parametrize("app", ["this", "dump.recv"])
 def test_the_library_calls_refuse_it_too(received, tmp_path, app):
     run = received(app)
-    for call in (lambda: load_model(run), lambda: load_embedder(str(run)), lambda: Checkpoint.open(run).app()):
+    for call in (lambda: load_model(run), lambda: load_embedder(str(run)),
+                 lambda: checkpoint_app(Checkpoint.open(run))):
         with pytest.raises(UserError) as refused:
             call()
         assert str(refused.value) == f"checkpoint {Checkpoint.resolve(run)} {_refusal(app)}"

@@ -118,7 +118,7 @@ class Commented:
 
 
 def test_help_prints_whole_comments_and_no_hash_inside_a_string():
-    from lingua.validation import ValidationArgs
+    from lingua.training.validation import ValidationArgs
     from tools.scaling import PlanArgs
     from tools.tables import TablesArgs
 

@@ -1,5 +1,5 @@
 """Bad input gets one clear line, before any work, and nothing is lost: hostile JSON and YAML files (the one reader,
-lingua/untrusted.py, and each command that met one), shapes and packages checked with the config, and a config
+lingua/files/untrusted.py, and each command that met one), shapes and packages checked with the config, and a config
 whose memory this machine cannot hold (issue 40, items 7 and 8)."""
 
 import ast
@@ -18,11 +18,12 @@ from test_pipeline import one_stage
 from test_triplets import CORPUS, QRELS, QUERIES, write_beir
 
 from apps.finetune.train import FinetuneTrainArgs
-from lingua import stool, untrusted
+from lingua import stool
 from lingua.args import UserError, from_dict, to_dict
 from lingua.eval import triplets
-from lingua.memory import host_available
-from lingua.pipeline_plan import load_pipeline
+from lingua.files import untrusted
+from lingua.jobs.pipeline_plan import load_pipeline
+from lingua.training.memory import host_available
 from tools import pipeline_results, scaling_runs
 from tools.finetune import table
 
@@ -108,10 +109,10 @@ def test_a_module_that_parses_json_or_yaml_itself_is_found(source):
 
 
 def test_every_reader_of_json_or_yaml_from_disk_is_the_one_reader():
-    """The class, not the instances: no module parses JSON or YAML but lingua/untrusted.py."""
+    """The class, not the instances: no module parses JSON or YAML but lingua/files/untrusted.py."""
     assert _parsers("import json\ncopy = json.loads(json.dumps(config))\nfrom yaml import safe_dump") == []
     found = [f"{path.relative_to(REPO)}:{line}" for folder in ("lingua", "apps", "tools", "setup")
-             for path in sorted((REPO / folder).rglob("*.py")) if path != REPO / "lingua" / "untrusted.py"
+             for path in sorted((REPO / folder).rglob("*.py")) if path != REPO / "lingua" / "files" / "untrusted.py"
              for line in _parsers(path.read_text())]
     assert found == []
 
@@ -332,7 +333,7 @@ def test_a_cgroup_memory_limit_below_the_hosts_free_memory_is_the_one_that_count
 
 def test_an_address_space_limit_below_the_hosts_free_memory_is_the_one_that_counts():
     limited = "import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); " \
-              "from lingua.memory import host_available; print(*host_available(), sep=';')"
+              "from lingua.training.memory import host_available; print(*host_available(), sep=';')"
     done = subprocess.run([sys.executable, "-c", limited], cwd=REPO, env=ENV, capture_output=True, text=True,
                           timeout=300)
     available, limit = done.stdout.strip().split(";")

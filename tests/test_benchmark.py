@@ -6,8 +6,8 @@ import json
 import pytest
 
 from apps.crossbert.model import CrossBertArgs, crossbert_flops_per_token_view
-from lingua.flops import encoder_flops_per_token
-from lingua.transformer import TransformerArgs
+from lingua.model.flops import encoder_flops_per_token
+from lingua.model.transformer import TransformerArgs
 from tools import benchmark
 
 DEBUG = benchmark.PRESETS["debug"]

@@ -5,7 +5,7 @@ import torch
 
 from apps.bert.model import Bert, BertArgs
 from lingua.args import UserError
-from lingua.transformer import TransformerArgs
+from lingua.model.transformer import TransformerArgs
 
 MASK_ID = 99
 

@@ -8,7 +8,7 @@ import torch
 from apps.bert.model import BertArgs, build_bert
 from apps.bert.train import APP
 from lingua.args import load_config
-from lingua.flops import (
+from lingua.model.flops import (
     compute_budget,
     count_params,
     encoder_flops_per_token,

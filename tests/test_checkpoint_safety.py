@@ -24,9 +24,11 @@ from test_checkpoint import _model_and_optimizer
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from apps.bert.train import APP
-from lingua import resume
+from lingua.app import load_model
 from lingua.args import UserError, load_config
-from lingua.checkpoint import (
+from lingua.checkpoint import resume
+from lingua.checkpoint.consolidate import main as checkpoint_main
+from lingua.checkpoint.store import (
     MANIFEST,
     PARAMS,
     Checkpoint,
@@ -36,9 +38,8 @@ from lingua.checkpoint import (
     TrainState,
     verify,
 )
-from lingua.checkpoint import main as checkpoint_main
-from lingua.export import main as export_main
-from lingua.files import atomic_write
+from lingua.export.hf_folder import main as export_main
+from lingua.files.safe import atomic_write
 from lingua.metrics import LoggingArgs, MetricLogger, read_metrics
 from lingua.train import train
 
@@ -209,7 +210,7 @@ def test_a_file_a_checkpoint_names_is_not_read_through_a_link_out_of_its_folder(
 
 
 def _tiny_model_and_optimizer(run: Path):
-    model = Checkpoint.open(run / "consolidated.pt").load()[0]
+    model = load_model(Checkpoint.open(run / "consolidated.pt"))[0]
     return model, torch.optim.AdamW(model.parameters())
 
 
@@ -363,9 +364,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lingua import checkpoint
+from lingua.checkpoint import store as checkpoint
 from lingua.args import UserError
-from lingua.checkpoint import CheckpointArgs, CheckpointManager
+from lingua.checkpoint.store import CheckpointArgs, CheckpointManager
 
 dist.init_process_group("gloo")
 rank, how, fence_checks = dist.get_rank(), sys.argv[2], []

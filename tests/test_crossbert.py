@@ -11,11 +11,11 @@ from conftest import read_metrics, tiny_argv
 
 from apps.crossbert.model import CrossBert, CrossBertArgs, PredictorArgs, predictor_flops_per_token, view_ids
 from apps.crossbert.train import APP
+from lingua.app import load_model
 from lingua.args import UserError, load_config
-from lingua.checkpoint import load_model
-from lingua.flops import count_params, encoder_flops_per_token, non_embedding_params
+from lingua.model.flops import count_params, encoder_flops_per_token, non_embedding_params
+from lingua.model.transformer import TransformerArgs
 from lingua.train import train
-from lingua.transformer import TransformerArgs
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = TransformerArgs(dim=32, n_layers=4, n_heads=4, max_seqlen=64)

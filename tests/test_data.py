@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from lingua.args import UserError
-from lingua.data import DataArgs, ReadAhead, build_train_loader
-from lingua.tokenizer import BytesTokenizer, TokenizerArgs, build_tokenizer
-from lingua.validation_rows import load_validation
+from lingua.data.loader import DataArgs, ReadAhead, build_train_loader, load_validation
+from lingua.data.tokenizer import BytesTokenizer, TokenizerArgs, build_tokenizer
 
 BOS, EOS = 256, 257  # <s> and </s> of the "bytes" tokenizer, whose other ids are the UTF-8 bytes
 

@@ -19,13 +19,13 @@ from conftest import ENV, REPO, end, read_metrics, run_to_the_end, running, star
 from apps import registered_apps
 from apps.bert.train import APP as BERT
 from lingua import train as loop
-from lingua.app import TEXT
+from lingua.app import TEXT, load_model
 from lingua.args import load_config
-from lingua.checkpoint import CheckpointArgs, CheckpointManager, load_model
-from lingua.data import DataArgs, TrainLoader, repartition
+from lingua.checkpoint.store import CheckpointArgs, CheckpointManager
+from lingua.data.loader import DataArgs, TrainLoader, repartition
+from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.distributed import Launch, detect_launch, first_host
-from lingua.lifecycle import RunLock
-from lingua.tokenizer import TokenizerArgs, build_tokenizer
+from lingua.training.lifecycle import RunLock
 
 
 def torchrun(*args, procs=2, check=True, timeout=300) -> subprocess.CompletedProcess:

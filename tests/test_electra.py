@@ -11,11 +11,11 @@ from conftest import kill_after_first_checkpoint_then_restart, read_metrics, tin
 
 from apps.electra.model import Electra, ElectraArgs, GeneratorArgs, corrupt, sample_replacements
 from apps.electra.train import APP
+from lingua.app import load_model
 from lingua.args import load_config
-from lingua.checkpoint import load_model
-from lingua.flops import count_params
+from lingua.model.flops import count_params
+from lingua.model.transformer import TransformerArgs
 from lingua.train import train
-from lingua.transformer import TransformerArgs
 from tools.eval import glue as glue_command
 
 MASK_ID, VOCAB = 99, 100

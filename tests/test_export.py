@@ -1,4 +1,4 @@
-"""Export to a HuggingFace folder (lingua/export.py): transformers' AutoModel gives our states and embeddings,
+"""Export to a HuggingFace folder (lingua/export/hf_folder.py): transformers' AutoModel gives our states and embeddings,
 sentence-transformers our embeddings, the exported tokenizer our ids; the folder's code needs no Lingua."""
 
 import ast
@@ -15,13 +15,14 @@ import torch
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
-from lingua import written_folder
+from lingua.app import build_from_params, load_model
 from lingua.args import UserError, load_config, to_dict
-from lingua.checkpoint import build_from_params, load_model, save_consolidated
-from lingua.embed import load_embedder
+from lingua.checkpoint.store import save_consolidated
+from lingua.data.tokenizer import R50K_FILENAME, default_tokenizer_dir
 from lingua.eval.features import encode_example, pad_batch
-from lingua.export import MARKER, ExportArgs, beside, export, main
-from lingua.tokenizer import R50K_FILENAME, default_tokenizer_dir
+from lingua.export.embedder import load_embedder
+from lingua.export.hf_folder import MARKER, ExportArgs, beside, export, main
+from lingua.files import written_folder
 from lingua.train import train
 from tests.conftest import run_to_the_end, tiny_argv, write_corpus
 from tests.test_contrastive import contrastive_argv, run_contrastive, write_triplets
@@ -283,7 +284,7 @@ def test_files_the_user_added_to_an_export_are_never_deleted(runs, tmp_path, cap
 
 def fail_on_weights(monkeypatch) -> None:
     """The export's write of model.safetensors fails, after its other files were written."""
-    from lingua import export as export_module
+    from lingua.export import hf_folder as export_module
 
     def atomic_write(path, data):
         if Path(path).name == "model.safetensors":

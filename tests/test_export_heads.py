@@ -1,5 +1,5 @@
-"""The export's task heads (lingua/export.py): transformers' AutoModelForSequenceClassification reads our pooled
-vectors (a fine-tuning run's head gives its logits), AutoModelForTokenClassification our states,
+"""The export's task heads (lingua/export/hf_folder.py): transformers' AutoModelForSequenceClassification reads our
+pooled vectors (a fine-tuning run's head gives its logits), AutoModelForTokenClassification our states,
 AutoModelForMaskedLM gives our masked-LM logits (BERT's tied head, CrossBERT's predictor, ELECTRA's generator) and
 the fill-mask pipeline their softmax; a run that predicts no token claims no masked-LM head. Tiny models with every
 weight moved off its init, built in place (no training)."""
@@ -16,12 +16,13 @@ from apps.contrastive.train import APP as CONTRASTIVE
 from apps.crossbert.train import APP as CROSSBERT
 from apps.electra.train import APP as ELECTRA
 from apps.finetune.train import APP as FINETUNE
+from lingua.app import build_from_params
 from lingua.args import UserError, load_config, to_dict
-from lingua.checkpoint import build_from_params, save_consolidated
+from lingua.checkpoint.store import save_consolidated
 from lingua.eval.features import encode_example, mean_pool, pad_batch
 from lingua.eval.glue_data import TASKS
-from lingua.export import ExportArgs, export
-from lingua.transformer import default_positions
+from lingua.export.hf_folder import ExportArgs, export
+from lingua.model.transformer import default_positions
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,14 +19,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
-from lingua import checkpoint as checkpoint_module
-from lingua import safe_dcp
-from lingua import step as training_step
 from lingua import train as loop
+from lingua.app import load_model
 from lingua.args import load_config
-from lingua.checkpoint import load_model
-from lingua.lifecycle import RunLock
-from lingua.optim import lr_at
+from lingua.checkpoint import safe_dcp
+from lingua.checkpoint import store as checkpoint_module
+from lingua.training import step as training_step
+from lingua.training.lifecycle import RunLock
+from lingua.training.optim import lr_at
 
 
 def run_main(argv, capsys, app=BERT) -> tuple[int, str]:
@@ -68,7 +68,7 @@ def test_a_diverging_run_keeps_only_finite_checkpoints(corpus, tmp_path, capsys)
 
 def test_weights_that_are_not_finite_are_never_saved(tmp_path):
     model = torch.nn.Linear(2, 2)
-    guard = loop.NonFiniteGuard(torch.device("cpu"), loop.CheckpointManager(tmp_path, loop.CheckpointArgs()))
+    guard = loop.NonFiniteGuard(torch.device("cpu"), loop.CheckpointManager(tmp_path, loop.CheckpointArgs()).latest)
     guard.check_before_save(model, 1)
     with torch.no_grad():
         model.weight[0, 0] = math.inf
@@ -239,7 +239,7 @@ def test_a_kill_during_the_metrics_rewrite_loses_nothing(corpus, tmp_path, capsy
     def killed(*args):
         raise KeyboardInterrupt  # what SIGINT does outside the loop; a SIGKILL here would leave the temporary file
 
-    monkeypatch.setattr("lingua.files.os.replace", killed)
+    monkeypatch.setattr("lingua.files.safe.os.replace", killed)
     status, _ = run_main(tiny_argv(corpus, dump, steps=20), capsys)
     assert status == 130 and (dump / "metrics.jsonl").read_bytes() == before
     monkeypatch.undo()
@@ -497,7 +497,7 @@ def test_a_really_full_disk(corpus, tmp_path, capsys):
 
 
 def test_non_finite_guard_reads_the_device_only_when_asked(tmp_path):
-    guard = loop.NonFiniteGuard(torch.device("cpu"), loop.CheckpointManager(tmp_path, loop.CheckpointArgs()))
+    guard = loop.NonFiniteGuard(torch.device("cpu"), loop.CheckpointManager(tmp_path, loop.CheckpointArgs()).latest)
     guard.update(1, torch.tensor(2.0), torch.tensor(1.0))
     guard.update(2, torch.tensor(math.nan), torch.tensor(1.0))
     guard.update(3, torch.tensor(1.0), torch.tensor(math.inf))
@@ -521,7 +521,7 @@ def test_an_io_error_reading_the_newest_checkpoint_sets_nothing_aside(corpus, tm
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(safe_dcp.SafeReader, "read_data", read_data_with_an_io_error)
-    monkeypatch.setattr("lingua.resume.RETRY_DELAY_S", 0.01)
+    monkeypatch.setattr("lingua.checkpoint.resume.RETRY_DELAY_S", 0.01)
     status, err = run_main(tiny_argv(corpus, dump, steps=20), capsys)
     assert checkpoint_names(dump) == ["0000000010", "0000000020"]
     log = (dump / "train.log").read_text()

@@ -14,17 +14,13 @@ from apps.bert.model import BertArgs
 from apps.bert.train import BertTrainArgs
 from apps.crossbert.model import CrossBertArgs
 from apps.crossbert.train import CrossBertTrainArgs
+from lingua.app import build_from_params
 from lingua.args import UserError, to_dict
-from lingua.checkpoint import (
-    CheckpointArgs,
-    CheckpointManager,
-    build_from_params,
-    save_consolidated,
-)
-from lingua.data import DataArgs
+from lingua.checkpoint.store import CheckpointArgs, CheckpointManager, save_consolidated
+from lingua.data.loader import DataArgs
+from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.eval import features, glue, glue_data
-from lingua.tokenizer import TokenizerArgs, build_tokenizer
-from lingua.transformer import TransformerArgs
+from lingua.model.transformer import TransformerArgs
 from tools.eval import glue as glue_command
 
 FIXTURES = Path(__file__).parent / "fixtures" / "glue"

@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import REPO, run_to_the_end, tagged_processes
 
-from lingua.tokenizer import default_tokenizer_dir
+from lingua.data.tokenizer import default_tokenizer_dir
 
 PARTS = ["environment", "tests", "benchmark", "profile", "training", "glue"]
 

@@ -11,10 +11,10 @@ import torch
 from apps import registered_apps
 from lingua.app import TEXT, build_model, load_app
 from lingua.args import load_config
-from lingua.masking import chunked_lm_loss, masked_lm_loss
-from lingua.optim import OptimArgs, build_optimizer
-from lingua.step import training_step
-from lingua.transformer import Segments, attention, build_attn_bias, padding_mask
+from lingua.model.masking import chunked_lm_loss, masked_lm_loss
+from lingua.model.transformer import Segments, attention, build_attn_bias, padding_mask
+from lingua.training.optim import OptimArgs, build_optimizer
+from lingua.training.step import training_step
 
 VOCAB = 64
 TINY = ["encoder.dim=32", "encoder.n_layers=2", "encoder.n_heads=4", "encoder.max_seqlen=32", "encoder.head_chunk=16"]

@@ -14,8 +14,8 @@ from apps.crossbert.model import CrossBertArgs, PredictorArgs, build_crossbert
 from apps.crossbert.train import APP as CROSSBERT
 from lingua.app import build_model
 from lingua.args import load_config
+from lingua.model.transformer import TransformerArgs
 from lingua.train import train
-from lingua.transformer import TransformerArgs
 from tests.conftest import tiny_argv, write_corpus
 
 

@@ -13,9 +13,9 @@ from test_faults import assert_one_line, run_main
 from apps.bert.train import APP as BERT
 from lingua import train as loop
 from lingua.args import UserError
-from lingua.checkpoint import Checkpoint, CheckpointArgs, CheckpointManager
-from lingua.export_card import last_metrics
-from lingua.files import atomic_write
+from lingua.checkpoint.store import Checkpoint, CheckpointArgs, CheckpointManager
+from lingua.export.card import last_metrics
+from lingua.files.safe import atomic_write
 from lingua.run_folder import RunFolder
 from tools.eval import embeddings as embeddings_command
 from tools.eval import glue as glue_command

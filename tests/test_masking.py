@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lingua.masking import chunked_lm_loss, masked_lm_loss
+from lingua.model.masking import chunked_lm_loss, masked_lm_loss
 
 N, D, V = 37, 16, 29
 

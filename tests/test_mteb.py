@@ -145,8 +145,8 @@ def test_command_answers_help():
 def test_unreachable_hub_is_a_one_line_error(tmp_path):
     """Offline, with an empty Hugging Face cache, the command stops at the first task's data with one line."""
     pytest.importorskip("mteb")
-    run_command = ("import lingua.embed, test_mteb\n"
-                   "lingua.embed.load_embedder = lambda path, **kwargs: test_mteb.HashedBagOfWords()\n"
+    run_command = ("import lingua.export.embedder, test_mteb\n"
+                   "lingua.export.embedder.load_embedder = lambda path, **kwargs: test_mteb.HashedBagOfWords()\n"
                    "from tools.eval.mteb import main\n"
                    f"main(['ckpt={tmp_path}', 'tasks=STS12', 'out={tmp_path / 'out'}'])\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import ENV, end, read_metrics, run_to_the_end, running, start, tagged_processes, tiny_argv, write_corpus
 
-from lingua.checkpoint import CheckpointArgs, CheckpointManager
+from lingua.checkpoint.store import CheckpointArgs, CheckpointManager
 
 PREFIX = "lingua-mn"  # namespaces are PREFIX-PID-NODE: PID is the pytest process that made them
 ADDRESSES = ("10.231.0.1", "10.231.0.2")  # the veth ends' addresses, inside the namespaces only

@@ -12,9 +12,8 @@ import torch
 import transformers
 from conftest import read_metrics, write_corpus
 
-from lingua import export
-from lingua.app import load_app
-from lingua.checkpoint import load_model
+from lingua.app import load_app, load_model
+from lingua.export import hf_folder as export
 from lingua.train import main
 from tools import benchmark, scaling
 from tools.eval import glue as glue_command
@@ -28,9 +27,9 @@ MODEL = '''
     import torch
 
     from lingua.app import AppModel
-    from lingua.flops import encoder_flops_per_token, output_head_flops
-    from lingua.masking import gather_tokens
-    from lingua.transformer import Encoder, TransformerArgs, default_positions
+    from lingua.model.flops import encoder_flops_per_token, output_head_flops
+    from lingua.model.masking import gather_tokens
+    from lingua.model.transformer import Encoder, TransformerArgs, default_positions
 
 
     @dataclass
@@ -75,7 +74,7 @@ ENTRY_POINT = '''
 
     from dataclasses import dataclass, field, replace
 
-    from lingua.scaling import BERT_LAWS
+    from lingua.model.scaling import BERT_LAWS
     from lingua.train import App, TrainArgs, main
     from spanmlm.model import SpanArgs, build_span_mlm
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lingua.args import UserError
-from lingua.optim import OptimArgs, lr_at, param_groups
-from lingua.transformer import Encoder, TransformerArgs, init_weights
+from lingua.model.transformer import Encoder, TransformerArgs, init_weights
+from lingua.training.optim import OptimArgs, lr_at, param_groups
 
 
 def test_schedule_warmup_then_cosine_to_min():
@@ -38,7 +38,7 @@ def test_lr_min_above_lr_is_an_error():
 
 
 def test_gradient_clipping_caps_the_norm():
-    from lingua.step import clip_gradients
+    from lingua.training.step import clip_gradients
 
     model = torch.nn.Linear(4, 4)
     (model(torch.ones(1, 4)) * 100).sum().backward()

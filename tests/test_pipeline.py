@@ -1,4 +1,4 @@
-"""Pipelines (lingua/pipeline.py, pipeline_plan.py, pipeline_stage.py): stages expanded per variant and ordered by
+"""Pipelines (lingua/jobs/pipeline.py, pipeline_plan.py, pipeline_stage.py): stages expanded per variant and ordered by
 their needs, run on `local` (skipping the finished ones, naming a failed one with its log and leaving its dependents,
 resuming after a kill), planned as SLURM jobs in a dry run (tests/test_slurm.py submits them to a real SLURM), and the
 Table 3 pipeline end to end on the debug models with offline data made here."""
@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from lingua.args import UserError
-from lingua.pipeline import format_status, launch
-from lingua.pipeline_plan import load_pipeline
-from lingua.pipeline_stage import slurm_job_active, state_of, this_process
+from lingua.jobs.pipeline import format_status, launch
+from lingua.jobs.pipeline_plan import load_pipeline
+from lingua.jobs.pipeline_stage import slurm_job_active, state_of, this_process
 from tests.conftest import REPO, end, offline_data, run_to_the_end, start, tagged_processes
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import Killed, killed_before, load_setup_script
 
-from lingua import written_folder
 from lingua.args import UserError
+from lingua.files import written_folder
 
 prep = load_setup_script("prepare_data")
 

@@ -12,7 +12,7 @@ import pytest
 from apps import registered_apps
 from lingua.app import TEXT
 from lingua.args import load_config
-from lingua.tokenizer import default_tokenizer_dir
+from lingua.data.tokenizer import default_tokenizer_dir
 from lingua.train import train
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ import time
 from conftest import tiny_argv, write_corpus
 
 from apps.bert.train import APP
-from lingua import source_stream
 from lingua.args import load_config
+from lingua.data import source_stream
 from lingua.train import summary_line, train
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import yaml
 
-from lingua.scaling import PowerLaw, best_per_group, fit_power_law
+from lingua.model.scaling import PowerLaw, best_per_group, fit_power_law
 from tools import scaling, scaling_plots, scaling_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,9 +264,8 @@ def test_figure_5_draws_each_sources_validation_loss_with_the_law_of_the_final_l
 
 def test_validation_rows_come_from_the_validation_sources_when_given(tmp_path):
     """Figure 5's runs train on DCLM and validate on DCLM and Wikipedia: a source validated on, not trained on."""
-    from lingua.data import DataArgs
-    from lingua.tokenizer import BytesTokenizer
-    from lingua.validation_rows import load_validation
+    from lingua.data.loader import DataArgs, load_validation
+    from lingua.data.tokenizer import BytesTokenizer
 
     for source in ("dclm", "wikipedia"):
         (tmp_path / source).mkdir()
@@ -308,9 +307,9 @@ def test_figure1_pipeline_validates_on_both_sources_on_every_world_size_and_plot
     (up to 128 processes: CrossBERT model 8), and the plot stages are valid tools.scaling commands."""
     from lingua.app import load_app, short_name
     from lingua.args import load_config
-    from lingua.pipeline import stage_launcher
-    from lingua.pipeline_plan import load_pipeline
-    from lingua.validation import check_validation_split
+    from lingua.jobs.pipeline import stage_launcher
+    from lingua.jobs.pipeline_plan import load_pipeline
+    from lingua.training.validation import check_validation_split
 
     pipeline = load_pipeline(str(ROOT / "docs/pipelines/figure1.yaml"))
     pretraining = [stage for stage in pipeline.stages if stage.name.startswith("pretrain.")]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lingua.launcher import CODE_PACKAGES
+from lingua.jobs.launcher import CODE_PACKAGES
 from tests.conftest import REPO, read_metrics, tiny_argv
 
 SMALL_JOB = ["cpus_per_task=1", "mem_gb_per_task=1", "time=10"]

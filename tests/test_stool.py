@@ -18,7 +18,7 @@ import yaml
 from apps.bert.train import BertTrainArgs
 from lingua import stool
 from lingua.args import UserError, load_config
-from lingua.launcher import CODE_PACKAGES, LauncherArgs, executor_for, snapshot_code
+from lingua.jobs.launcher import CODE_PACKAGES, LauncherArgs, executor_for, snapshot_code
 from tests.conftest import REPO, end, start, tagged_processes, tiny_argv
 
 
@@ -113,13 +113,14 @@ def test_a_snapshot_is_never_rewritten_and_the_same_code_shares_one(tmp_path):
         shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     first = snapshot_code(tmp_path / "code", source)
     assert snapshot_code(tmp_path / "code", source) == first
-    (source / "lingua" / "flops.py").write_text("raise SystemExit('edited')\n")
-    (source / "lingua" / "divergence.py").unlink()
+    (source / "lingua" / "model" / "flops.py").write_text("raise SystemExit('edited')\n")
+    (source / "lingua" / "training" / "divergence.py").unlink()
     second = snapshot_code(tmp_path / "code", source)
     assert second != first and sorted(p.name for p in (tmp_path / "code").iterdir()) == sorted([first.name,
                                                                                                second.name])
-    assert (first / "lingua" / "flops.py").read_bytes() == (REPO / "lingua" / "flops.py").read_bytes()
-    assert (first / "lingua" / "divergence.py").exists() and not (second / "lingua" / "divergence.py").exists()
+    flops, divergence = Path("lingua", "model", "flops.py"), Path("lingua", "training", "divergence.py")
+    assert (first / flops).read_bytes() == (REPO / flops).read_bytes()
+    assert (first / divergence).exists() and not (second / divergence).exists()
 
 
 def test_local_sweep_runs_end_to_end_and_status_reads_it(tmp_path, corpus, capsys):

@@ -9,8 +9,8 @@ import torch
 
 from lingua.app import load_app
 from lingua.args import load_config
-from lingua.flops import count_params
-from lingua.pipeline_plan import load_pipeline
+from lingua.jobs.pipeline_plan import load_pipeline
+from lingua.model.flops import count_params
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = REPO / "docs" / "pipelines" / "table9.yaml"

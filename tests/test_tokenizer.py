@@ -13,7 +13,7 @@ import tiktoken
 from conftest import load_setup_script, run_to_the_end, tiny_argv, write_corpus
 
 from lingua.args import UserError
-from lingua.tokenizer import (
+from lingua.data.tokenizer import (
     FETCH_HINT,
     R50K_FILENAME,
     TokenizerArgs,

@@ -14,13 +14,13 @@ import torch
 from conftest import kill_after_first_checkpoint_then_restart, read_metrics, tiny_argv, write_corpus
 
 from apps.bert.train import APP
+from lingua.app import load_model
 from lingua.args import load_config
-from lingua.checkpoint import load_model
+from lingua.data.loader import ValidationRows
 from lingua.distributed import Launch
 from lingua.parallel import parallelize
 from lingua.train import train
-from lingua.validation import ValidationArgs, validate
-from lingua.validation_rows import ValidationRows
+from lingua.training.validation import ValidationArgs, validate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,7 @@ def test_sigkill_then_restart_continues_exactly(corpus, tmp_path):
 
 def test_sigterm_saves_and_stops(corpus, tmp_path, monkeypatch):
     dump = tmp_path / "run"
-    from lingua import step as training_step
+    from lingua.training import step as training_step
 
     original = training_step.clip_gradients
     calls = []
@@ -185,7 +185,7 @@ def test_an_apps_own_evaluation_runs_at_its_interval_and_keeps_its_best(corpus, 
 
 
 def test_logged_lr_is_the_rate_the_step_used(corpus, tmp_path):
-    from lingua.optim import lr_at
+    from lingua.training.optim import lr_at
 
     args = load_config(APP.args_cls, tiny_argv(corpus, tmp_path / "run", steps=8))
     run(tiny_argv(corpus, tmp_path / "run", steps=8))

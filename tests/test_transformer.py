@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from lingua.args import UserError
-from lingua.flops import count_params, non_embedding_params
-from lingua.transformer import (
+from lingua.model.flops import count_params, non_embedding_params
+from lingua.model.transformer import (
     ATTN_BACKENDS,
     AttnMask,
     CrossAttentionBlock,

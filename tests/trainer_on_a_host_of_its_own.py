@@ -11,9 +11,9 @@ import os
 import signal
 import sys
 
-from lingua import lifecycle
-from lingua import step as training_step
 from lingua import train as loop
+from lingua.training import lifecycle
+from lingua.training import step as training_step
 
 HEARTBEAT_S, STALE_S, STOP_AT = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 holder, clip_gradients, steps_done = lifecycle.lease_holder, training_step.clip_gradients, 0

@@ -23,18 +23,18 @@ from types import SimpleNamespace
 
 import torch
 
-from lingua import untrusted
 from lingua.app import app_variant, build_model, load_app
 from lingua.args import UserError, at_least, command_line, load_config, require, to_dict
 from lingua.distributed import DistributedArgs, Launch, resolve_device
-from lingua.files import atomic_write
-from lingua.flops import encoder_flops_per_token
-from lingua.masking import masked_positions, num_masked
+from lingua.files import untrusted
+from lingua.files.safe import atomic_write
 from lingua.metrics import LoggingArgs, peak_flops, setup_logging
-from lingua.optim import OptimArgs, build_optimizer
+from lingua.model.flops import encoder_flops_per_token
+from lingua.model.masking import masked_positions, num_masked
+from lingua.model.transformer import TransformerArgs, ffn_hidden_dim
 from lingua.parallel import autocast
-from lingua.step import training_step
-from lingua.transformer import TransformerArgs, ffn_hidden_dim
+from lingua.training.optim import OptimArgs, build_optimizer
+from lingua.training.step import training_step
 
 logger = logging.getLogger(__name__)
 

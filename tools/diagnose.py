@@ -19,11 +19,11 @@ import torch
 
 from lingua.app import app_variant, build_model
 from lingua.args import at_least, command_line, load_config, require, to_dict
-from lingua.files import atomic_write
+from lingua.files.safe import atomic_write
 from lingua.metrics import setup_logging
-from lingua.optim import OptimArgs, build_optimizer, lr_at, set_lr
-from lingua.step import training_step
-from lingua.transformer import TransformerArgs
+from lingua.model.transformer import TransformerArgs
+from lingua.training.optim import OptimArgs, build_optimizer, lr_at, set_lr
+from lingua.training.step import training_step
 
 logger = logging.getLogger(__name__)
 TASKS = ("pairs", "period")

@@ -4,7 +4,7 @@ then Avg. and Overall."""
 
 from pathlib import Path
 
-from lingua import untrusted
+from lingua.files import untrusted
 
 _NUMBERS = untrusted.read_yaml(Path(__file__).parent / "paper.yaml", "paper numbers")
 

@@ -9,8 +9,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from lingua import untrusted
-from lingua.args import UserError
+from lingua.errors import UserError
+from lingua.files import untrusted
 from lingua.metrics import read_metrics
 from lingua.run_folder import PIPELINE_RECORD, RESULTS, RunFolder
 from tools import paper

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from lingua.args import UserError, load_config, require
-from lingua.scaling import best_per_group, fit_power_law
+from lingua.model.scaling import best_per_group, fit_power_law
 from tools.scaling_runs import fitted_hyperparameters, probe_curves, read_run, require_probe, run_dirs
 
 PLOT_KINDS = ("curves", "loss", "probes", "training", "glue_tasks", "mteb_types", "sources", "heatmaps")

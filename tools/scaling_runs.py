@@ -9,14 +9,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lingua import untrusted
 from lingua.app import short_name
 from lingua.args import UserError, require
-from lingua.checkpoint import Checkpoint
-from lingua.launcher import read_job_record
+from lingua.checkpoint.store import Checkpoint
+from lingua.files import untrusted
+from lingua.jobs.launcher import read_job_record
 from lingua.metrics import read_metrics
+from lingua.model.scaling import best_per_group, fit_power_law
 from lingua.run_folder import METRICS, RunFolder
-from lingua.scaling import best_per_group, fit_power_law
 from tools.eval.glue import read_summary
 from tools.eval.mteb import benchmark_of
 from tools.eval.mteb import read_results as read_mteb_results

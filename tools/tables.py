@@ -1,4 +1,4 @@
-"""The paper's tables from a pipeline's folder (lingua/pipeline.py), the paper's numbers beside ours:
+"""The paper's tables from a pipeline's folder (lingua/jobs/pipeline.py), the paper's numbers beside ours:
 
     python -m tools.tables table=3|1|2|4|5|6|7|9 dir=PIPELINE_DIR [out=TABLE.md]
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from lingua.args import UserError, command_line, load_config
 from lingua.eval.glue_data import TASKS
 from lingua.eval.mteb import CATEGORIES
-from lingua.files import atomic_write
+from lingua.files.safe import atomic_write
 from tools import paper
 from tools.finetune.table import metric_names
 from tools.pipeline_results import Variant, read_pipeline

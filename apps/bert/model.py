@@ -11,9 +11,9 @@ import torch
 
 from lingua.app import AppModel
 from lingua.args import require
-from lingua.flops import encoder_flops_per_token, output_head_flops
-from lingua.masking import MaskedLMHead, gather_tokens, masked_positions
-from lingua.transformer import Encoder, TransformerArgs, default_positions
+from lingua.model.flops import encoder_flops_per_token, output_head_flops
+from lingua.model.masking import MaskedLMHead, gather_tokens, masked_positions
+from lingua.model.transformer import Encoder, TransformerArgs, default_positions
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 
 from apps.bert.model import BertArgs, build_bert
-from lingua.scaling import BERT_LAWS
+from lingua.model.scaling import BERT_LAWS
 from lingua.train import App, TrainArgs, main
 
 

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from lingua.args import UserError, at_least
-from lingua.documents import SkippedRows
-from lingua.tokenizer import TokenizerArgs
-from lingua.untrusted import Malformed, parse_json
+from lingua.data.documents import SkippedRows
+from lingua.data.tokenizer import TokenizerArgs
+from lingua.files.untrusted import Malformed, parse_json
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 and an InfoNCE loss.
 
 Each row of a batch is a query, its positive passage and its hard negatives. Every text is encoded by the backbone
-and pooled into a unit vector (lingua/pooler.py). With `loss: simclr` (the default; the SimCLR form of the paper's
+and pooled into a unit vector (lingua/model/pooler.py). With `loss: simclr` (the default; the SimCLR form of the paper's
 reference [10], not eq. 5 as written) query i is scored against every passage of the step, its own hard negatives,
 the other queries' positives and negatives (in-batch negatives) and, when distributed, those of every rank
 (gathered with their gradients), by cosine similarity over a temperature:
@@ -18,8 +18,8 @@ never above 1 / (1 + K e^-2) (0.51).
 gradient and its parameters do not require one. `frozen: false` fine-tunes everything.
 
 The backbone comes from `init_from=` (any app's run or checkpoint): `configure` takes its encoder shape and
-tokenizer, and `lingua.pretrained.load_pretrained` its weights, plus, for CrossBERT with `pooler.warm_start`, the
-predictor's weights into the attention pooler (Appendix D), which must have the config's shape (`model.pooler`, the
+tokenizer, and `lingua.checkpoint.pretrained.load_pretrained` its weights, plus, for CrossBERT with `pooler.warm_start`,
+the predictor's weights into the attention pooler (Appendix D), which must have the config's shape (`model.pooler`, the
 same for every app compared).
 """
 
@@ -32,10 +32,10 @@ from torch.distributed.nn.functional import all_gather
 
 from lingua.app import AppModel
 from lingua.args import require
-from lingua.flops import encoder_flops_per_token
-from lingua.pooler import AttentionPooler, PoolerArgs, mean_pool_normalised, pooler_transformer
-from lingua.pretrained import adopt_pretrained
-from lingua.transformer import Encoder, TransformerArgs, check_sub_network, head_dim_of
+from lingua.checkpoint.pretrained import adopt_pretrained
+from lingua.model.flops import encoder_flops_per_token
+from lingua.model.pooler import AttentionPooler, PoolerArgs, mean_pool_normalised, pooler_transformer
+from lingua.model.transformer import Encoder, TransformerArgs, check_sub_network, head_dim_of
 
 LOSSES = ("simclr", "eq5")
 DEFAULT_TEMPERATURE = 0.05
@@ -133,6 +133,6 @@ def build_contrastive(args: ContrastiveArgs, tokenizer) -> Contrastive:
 
 
 def configure(config, start):
-    """The pre-trained run's encoder and tokenizer (from `start`, lingua/resume.py: init_from or the resumed run);
-    a warm start of the attention pooler must have the config's shape (lingua/pretrained.py)."""
+    """The pre-trained run's encoder and tokenizer (from `start`, lingua/checkpoint/resume.py: init_from or the resumed
+    run); a warm start of the attention pooler must have the config's shape (lingua/checkpoint/pretrained.py)."""
     return adopt_pretrained(config, start, attention_pooler=config.model.pooler.kind == "attention")

@@ -12,7 +12,7 @@ from apps.contrastive.data import (
 )
 from apps.contrastive.model import ContrastiveArgs, build_contrastive, configure
 from lingua.app import DataPipeline
-from lingua.pretrained import load_pretrained
+from lingua.checkpoint.pretrained import load_pretrained
 from lingua.train import App, TrainArgs, main
 
 TRIPLETS = DataPipeline(build_triplet_loader, load_triplet_validation, repartition_triplets, row_shape)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lingua.app import load_model
 from lingua.args import UserError, at_least, command_line, load_config
-from lingua.checkpoint import load_model
-from lingua.masking import num_masked
-from lingua.validation_rows import load_validation
+from lingua.data.loader import load_validation
+from lingua.model.masking import num_masked
 
 OFFSETS = (-3, -2, -1, 1, 2, 3)
 FAR = 8
@@ -43,7 +43,7 @@ class InspectArgs:
 
 
 def attention_weights(attention, x, context, q_rope, kv_rope) -> torch.Tensor:
-    """The softmax weights [B, H, Q, K] that `attention` (lingua.transformer.Attention, unmasked) gives."""
+    """The softmax weights [B, H, Q, K] that `attention` (lingua.model.transformer.Attention, unmasked) gives."""
     q, k = attention.rotated_queries_keys(x, context, q_rope, kv_rope)
     return (torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / math.sqrt(attention.head_dim)).softmax(-1)
 

@@ -24,9 +24,9 @@ from torch import nn
 
 from lingua.app import AppModel
 from lingua.args import UserError, at_least, require
-from lingua.flops import encoder_flops_per_token, non_embedding_params, output_head_flops
-from lingua.masking import MaskedLMHead, num_masked, random_positions
-from lingua.transformer import (
+from lingua.model.flops import encoder_flops_per_token, non_embedding_params, output_head_flops
+from lingua.model.masking import MaskedLMHead, num_masked, random_positions
+from lingua.model.transformer import (
     AttnMask,
     CrossAttentionBlock,
     Encoder,
@@ -205,7 +205,7 @@ class CrossBert(AppModel):
 
     def pooler_warm_start(self) -> tuple[TransformerArgs, dict[str, torch.Tensor]]:
         """The predictor re-used as a warm-started attention pooler (paper section 3, Appendix D): its block shapes,
-        and its weights under the pooler's names (lingua/pooler.py; the mask embedding becomes the query). The
+        and its weights under the pooler's names (lingua/model/pooler.py; the mask embedding becomes the query). The
         pooler has the encoder's width, so a predictor of another width cannot start one."""
         predictor = self.predictor
         if predictor.args.dim != self.args.encoder.dim:

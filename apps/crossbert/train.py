@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 
 from apps.crossbert.model import CrossBertArgs, build_crossbert
-from lingua.scaling import CROSSBERT_LAWS
+from lingua.model.scaling import CROSSBERT_LAWS
 from lingua.train import App, TrainArgs, main
 
 

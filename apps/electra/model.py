@@ -21,9 +21,9 @@ from torch import nn
 
 from lingua.app import AppModel
 from lingua.args import at_least, require
-from lingua.flops import encoder_flops_per_token, output_head_flops
-from lingua.masking import MaskedLMHead, gather_tokens, masked_lm_loss, masked_positions
-from lingua.transformer import (
+from lingua.model.flops import encoder_flops_per_token, output_head_flops
+from lingua.model.masking import MaskedLMHead, gather_tokens, masked_lm_loss, masked_positions
+from lingua.model.transformer import (
     Encoder,
     RMSNorm,
     RotaryEmbedding,

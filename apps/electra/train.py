@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field, replace
 
 from apps.electra.model import ElectraArgs, build_electra
-from lingua.scaling import BERT_LAWS
+from lingua.model.scaling import BERT_LAWS
 from lingua.train import App, TrainArgs, main
 
 

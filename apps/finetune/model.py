@@ -2,11 +2,11 @@
 Table 3, top block).
 
 The pooled vector is the mean of the real tokens' final states (`pooling=mean`), the state of `<s>` (`first`), or an
-attention pooler (`attention`: a learned query reading the states through cross-attention blocks, lingua/pooler.py),
-warm-started from CrossBERT's predictor (the paper, section 3: the predictor "can be effectively re-used as a
-warm-started module for downstream finetuning"), from a contrastive or fine-tuning run's pooler, or cold. The head is
-one linear layer: cross-entropy over the task's classes, or mean squared error on the score (STS-B). No dropout:
-`forward` makes no random draw (the app contract), and ModernBERT's GLUE recipes also use none.
+attention pooler (`attention`: a learned query reading the states through cross-attention blocks,
+lingua/model/pooler.py), warm-started from CrossBERT's predictor (the paper, section 3: the predictor "can be
+effectively re-used as a warm-started module for downstream finetuning"), from a contrastive or fine-tuning run's
+pooler, or cold. The head is one linear layer: cross-entropy over the task's classes, or mean squared error on the score
+(STS-B). No dropout: `forward` makes no random draw (the app contract), and ModernBERT's GLUE recipes also use none.
 """
 
 from dataclasses import dataclass, field
@@ -19,9 +19,9 @@ from apps.finetune.data import decode_labels
 from lingua.app import AppModel
 from lingua.args import at_least, require
 from lingua.eval.features import mean_pool
-from lingua.flops import encoder_flops_per_token
-from lingua.pooler import AttentionPooler, PoolerArgs, pooler_transformer
-from lingua.transformer import Encoder, TransformerArgs, check_sub_network
+from lingua.model.flops import encoder_flops_per_token
+from lingua.model.pooler import AttentionPooler, PoolerArgs, pooler_transformer
+from lingua.model.transformer import Encoder, TransformerArgs, check_sub_network
 
 POOLINGS = ("mean", "first", "attention")
 

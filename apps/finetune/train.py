@@ -23,15 +23,15 @@ from apps.finetune.data import (
 from apps.finetune.model import FinetuneArgs, build_finetune
 from lingua.app import DataPipeline
 from lingua.args import UserError, at_least, require
-from lingua.checkpoint import Checkpoint
+from lingua.checkpoint.pretrained import adopt_pretrained, load_pretrained
+from lingua.checkpoint.resume import Start
+from lingua.checkpoint.store import Checkpoint
 from lingua.distributed import Launch, all_reduce
 from lingua.eval.glue import task_scores
-from lingua.optim import OptimArgs
 from lingua.parallel import autocast
-from lingua.pretrained import adopt_pretrained, load_pretrained
-from lingua.resume import Start
 from lingua.train import App, TrainArgs, main
-from lingua.validation import ValidationArgs
+from lingua.training.optim import OptimArgs
+from lingua.training.validation import ValidationArgs
 
 GLUE = DataPipeline(GlueLoader, load_dev_rows, repartition_position, row_shape, check_splits)
 FINETUNE = "apps.finetune.train"
@@ -60,10 +60,10 @@ class FinetuneTrainArgs(TrainArgs):
 
 
 def configure(config: FinetuneTrainArgs, start: Start) -> FinetuneTrainArgs:
-    """The pre-trained run's shapes and tokenizer (lingua/pretrained.py), the task's head, the data order from the
-    run's seed, and the schedule in epochs (from the train split's size, `check_splits`): `steps`, `optim.warmup`, the
-    evaluation after each epoch and a checkpoint at least once an epoch. A run resumed on another number of
-    processes, whose epochs would change, is refused."""
+    """The pre-trained run's shapes and tokenizer (lingua/checkpoint/pretrained.py), the task's head, the data order
+    from the run's seed, and the schedule in epochs (from the train split's size, `check_splits`): `steps`,
+    `optim.warmup`, the evaluation after each epoch and a checkpoint at least once an epoch. A run resumed on another
+    number of processes, whose epochs would change, is refused."""
     config = adopt_pretrained(config, start, attention_pooler=config.model.pooling == "attention")
     per_epoch = steps_per_epoch(start.data["train_rows"], config.data, start.world_size)
     steps = config.epochs * per_epoch

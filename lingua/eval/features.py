@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lingua.args import UserError
-from lingua.files import atomic_write
+from lingua.errors import UserError
+from lingua.files.safe import atomic_write
 
 logger = logging.getLogger(__name__)
 

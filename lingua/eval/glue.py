@@ -1,6 +1,6 @@
 """Frozen evaluation on GLUE (paper section 4.1, "Eval on GLUE" in 5.1): linear (ridge) and kNN probes on mean-pooled
 encoder features. Used by `python -m tools.eval.glue` and, through `run_glue_probes`, by the probes during training
-(lingua/validation.py).
+(lingua/training/validation.py).
 
 Protocol, and the choices the paper leaves open:
 - Features: the chosen layer's outputs averaged over the real tokens (padding excluded), one forward pass per split

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lingua.args import UserError
-from lingua.documents import SkippedRows
+from lingua.data.documents import SkippedRows
+from lingua.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""MTEB, the Massive Text Embedding Benchmark, on this library's sentence embeddings (`lingua.embed.Embedder`).
+"""MTEB, the Massive Text Embedding Benchmark, on this library's sentence embeddings
+(`lingua.export.embedder.Embedder`).
 
 `MtebEncoder` presents an Embedder to mteb as an encoder (its `EncoderProtocol`): every input, query or document,
 goes through the same `encode`, with no instruction or prompt, as in the paper. `run_mteb` evaluates a benchmark, or
@@ -22,7 +23,7 @@ from mteb.models import ModelMeta
 from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ScoringFunction
 
-from lingua.args import UserError
+from lingua.errors import UserError
 
 logger = logging.getLogger(__name__)
 

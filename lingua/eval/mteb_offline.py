@@ -27,7 +27,7 @@ from mteb.abstasks import AbsTask, AbsTaskClassification, AbsTaskClustering, Abs
 from mteb.abstasks.pair_classification import AbsTaskPairClassification
 from mteb.abstasks.retrieval_dataset_loaders import RetrievalSplitData
 
-from lingua.args import UserError
+from lingua.errors import UserError
 from lingua.eval.glue_data import TASKS, MissingSplit, load_split
 from lingua.eval.retrieval import load_beir
 from lingua.eval.sts import find_sts_sets

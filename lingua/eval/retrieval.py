@@ -28,8 +28,8 @@ from typing import Protocol
 
 import torch
 
-from lingua.args import UserError
-from lingua.untrusted import parse_json_line
+from lingua.errors import UserError
+from lingua.files.untrusted import parse_json_line
 
 logger = logging.getLogger(__name__)
 

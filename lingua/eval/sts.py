@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from scipy import stats
 
-from lingua.args import UserError
+from lingua.errors import UserError
 from lingua.eval.retrieval import Embedder, encode_texts, numbered_lines
-from lingua.untrusted import Malformed, parse_json, parse_json_line
+from lingua.files.untrusted import Malformed, parse_json, parse_json_line
 
 logger = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ from scipy import sparse
 
 from lingua.args import UserError, at_least, command_line, load_config, require
 from lingua.eval.retrieval import Embedder, Qrels, Ranking, dense_search, load_beir, numbered_lines
-from lingua.files import atomic_write
+from lingua.files.safe import atomic_write
+from lingua.files.untrusted import parse_json_line
 from lingua.metrics import setup_logging
-from lingua.untrusted import parse_json_line
 
 logger = logging.getLogger(__name__)
 

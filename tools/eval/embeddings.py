@@ -1,4 +1,4 @@
-"""Offline embedding evaluation of any checkpoint, through `lingua.embed.load_embedder`:
+"""Offline embedding evaluation of any checkpoint, through `lingua.export.embedder.load_embedder`:
 
     python -m tools.eval.embeddings ckpt=DUMP_DIR_OR_CHECKPOINT [retrieval=BEIR_FOLDER] [sts=FOLDER]
         [sts_sets=STSBenchmark/test,SICK/test] [pooling=auto|mean] [max_len=0] [batch_size=32] [out=RESULTS.json]
@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lingua.args import UserError, command_line, load_config
-from lingua.checkpoint import Checkpoint
-from lingua.embed import POOLINGS, load_embedder
+from lingua.checkpoint.store import Checkpoint
 from lingua.eval.retrieval import evaluate_retrieval
 from lingua.eval.sts import evaluate_sts, find_sts_sets
-from lingua.files import atomic_write
+from lingua.export.embedder import POOLINGS, load_embedder
+from lingua.files.safe import atomic_write
 from lingua.metrics import setup_logging
 from lingua.run_folder import RESULTS, RunFolder
 

@@ -14,14 +14,15 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from lingua import untrusted
+from lingua.app import load_model
 from lingua.args import UserError, command_line, load_config
-from lingua.checkpoint import Checkpoint
+from lingua.checkpoint.store import Checkpoint
 from lingua.distributed import resolve_device
 from lingua.eval.features import FeatureCache
 from lingua.eval.glue import GlueEvalArgs, check_args, evaluate_glue, probe_length
 from lingua.eval.report import format_table
-from lingua.files import atomic_write
+from lingua.files import untrusted
+from lingua.files.safe import atomic_write
 from lingua.metrics import setup_logging
 from lingua.run_folder import RESULTS, RunFolder
 
@@ -65,7 +66,7 @@ def run(args: GlueCommandArgs) -> dict:
     check_args(args)  # before the (slow) model loading
     opened = Checkpoint.open(args.ckpt, args.app or None)
     device = resolve_device(args.device)
-    model, config, tokenizer = opened.load(device)
+    model, config, tokenizer = load_model(opened, device)
     checkpoint = opened.path
     args = replace(args, max_len=probe_length(args, config.data.seq_len, config.model.encoder.max_seqlen))
     run = RunFolder.of(checkpoint)

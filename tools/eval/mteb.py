@@ -19,10 +19,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lingua import untrusted
 from lingua.args import UserError, at_least, command_line, load_config
-from lingua.checkpoint import Checkpoint
-from lingua.files import atomic_write
+from lingua.checkpoint.store import Checkpoint
+from lingua.files import untrusted
+from lingua.files.safe import atomic_write
 from lingua.metrics import setup_logging
 from lingua.run_folder import RESULTS, RunFolder
 
@@ -79,9 +79,9 @@ def run(args: MtebCommandArgs) -> dict:
         raise UserError("ckpt= is required: a consolidated.pt, a checkpoint folder or a run's dump_dir")
     if importlib.util.find_spec("mteb") is None:
         raise UserError("the mteb package is not installed: pip install mteb==2.26.24")
-    from lingua.embed import load_embedder
     from lingua.eval.mteb import format_table, run_mteb, select_tasks, summarize
     from lingua.eval.mteb_offline import offline_tasks
+    from lingua.export.embedder import load_embedder
 
     tasks = offline_tasks(args.offline, args.tasks) if args.offline else select_tasks(args.benchmark, args.tasks)
     out = output_dir(args)

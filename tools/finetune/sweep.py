@@ -21,8 +21,8 @@ from apps.finetune.train import FINETUNE
 from lingua import stool
 from lingua.args import UserError, command_line, load_config, parse_assignment
 from lingua.eval.glue_data import TASKS
-from lingua.files import atomic_write
-from lingua.launcher import split_arguments
+from lingua.files.safe import atomic_write
+from lingua.jobs.launcher import split_arguments
 from lingua.run_folder import RunFolder
 from tools.finetune.table import choose, finetune_config, read_results
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from apps.finetune.train import FinetuneTrainArgs
-from lingua import untrusted
 from lingua.app import load_app, shipped_module, short_name
 from lingua.args import UserError, command_line, from_dict
-from lingua.checkpoint import Checkpoint
+from lingua.checkpoint.store import Checkpoint
 from lingua.eval.glue_data import TASKS
-from lingua.files import atomic_write
+from lingua.files import untrusted
+from lingua.files.safe import atomic_write
 from lingua.run_folder import CONFIG, RunFolder
 from tools.paper import GLUE_FINETUNE, NAMES
 

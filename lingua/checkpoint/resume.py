@@ -1,0 +1,188 @@
+"""What a run starts from (`Start`: read once, before its config is decided) and the resume policy: which checkpoint
+a run in an existing dump_dir continues from, what is refused (another app, another architecture) and what is only
+reported (changed settings)."""
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lingua.app import App
+from lingua.args import UserError, config_changes, to_dict
+from lingua.checkpoint.store import Checkpoint, CheckpointArgs, CheckpointManager, DamagedCheckpoint, verify
+from lingua.distributed import Launch, agreed_failure, barrier, broadcast_object, on_every_rank
+from lingua.model.transformer import architecture_fields
+from lingua.run_folder import RunFolder
+from lingua.training.optim import lr_at
+
+logger = logging.getLogger(__name__)
+
+READ_ATTEMPTS = 4  # an I/O error while reading a checkpoint (a network file system's hiccup) is tried again,
+RETRY_DELAY_S = 2.0  # after this, then twice as long each time; then the run stops, every checkpoint kept
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a run starts from, read once by the loop before the app's `configure` decides the config from it."""
+
+    init_from: Checkpoint | None = None  # a new run's init_from, opened: its config and shapes (its weights load into
+    # the model later, through this same object)
+    resumed: dict | None = None  # the config of the run in dump_dir, when it resumes (its newest checkpoint's)
+    world_size: int = 1  # processes of this launch
+    data: dict = field(default_factory=dict)  # what the data pipeline's `check` reports, e.g. {"train_rows": N}
+
+
+def open_start(app: App, config, world_size: int) -> Start:
+    """The resumed run's config, else init_from opened (a resumed run has its own weights: its init_from may be
+    gone), and the data's facts; a UserError for a bad init_from or bad data, before anything is written."""
+    resumed, init_from = resumed_config(Path(config.dump_dir)), None
+    if config.init_from and resumed is None:
+        try:
+            init_from = Checkpoint.open(config.init_from, app.name)  # this run's app is the one its command names
+        except UserError as e:
+            raise UserError(f"init_from: {e}") from None
+    return Start(init_from, resumed, world_size, app.data.check(config.data))
+
+
+def resumed_config(dump_dir: Path) -> dict | None:
+    """The config of the newest checkpoint in dump_dir whose files are all there (its params.json: no tensor, no
+    pickle is read); None for a new run."""
+    for path in reversed(CheckpointManager(RunFolder(dump_dir).checkpoints, CheckpointArgs()).complete_checkpoints()):
+        try:
+            return retrying_reads(lambda: verify(path), path)["config"]
+        except DamagedCheckpoint:
+            continue  # resume() sets it aside and tries the one before it
+    return None
+
+
+def resume(checkpoints: CheckpointManager, model, optimizer, app: App, config, launch: Launch) -> dict | None:
+    """Loads the newest checkpoint that loads and returns this rank's train state; None for a new run.
+
+    Rank 0 picks the checkpoint and every rank loads that one. A checkpoint proven damaged (a missing or truncated
+    file, content that does not parse) is set aside and the one before it is tried; an I/O error is no proof: the
+    read is tried again (`READ_ATTEMPTS`), then the run stops in one line, every checkpoint left in place. A
+    checkpoint of another app or model shape is refused in one line, before anything is loaded or written. A
+    checkpoint saved by another number of processes loads too: DCP reshards the model and optimizer, and the data
+    loader's unread data is re-partitioned.
+    """
+    failed_reads = 0
+    while True:
+        choice = broadcast_object(_pick_checkpoint(checkpoints, model, app, config) if launch.rank == 0 else None)
+        if isinstance(choice, UserError) or choice is None:
+            if choice is not None:
+                raise choice
+            return None
+        path = Path(choice)
+        states, damage, unread = None, None, None
+        try:
+            states = checkpoints.load(path, model, optimizer)
+        except DamagedCheckpoint as e:
+            damage = str(e)
+        except OSError as e:
+            unread = _unread(e)
+        damage = agreed_failure(damage)  # a file that one rank alone found damaged is damaged for all of them
+        if damage is not None:
+            if launch.rank == 0:
+                _set_aside(checkpoints, path, DamagedCheckpoint(damage))
+            barrier()
+            continue
+        unread = agreed_failure(unread)
+        if unread is not None:
+            failed_reads += 1
+            _wait_to_read_again(path, unread, failed_reads)
+            continue
+        logger.info(f"resumed from {path}")
+        report_changes(Checkpoint.read(path).config, config, states[0]["step"])
+        if len(states) == launch.world_size:
+            return states[launch.rank]
+        logger.warning(f"the checkpoint was saved by {len(states)} process(es), this run has {launch.world_size}: "
+                       "the masking random state starts afresh on every rank")
+        old = [s["data"] for s in states]
+        data = on_every_rank(lambda: app.data.repartition(old, launch.world_size, config.data))[launch.rank]
+        return {**states[0], "data": data, "generator": None}
+
+
+def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, config) -> str | UserError | None:
+    """Rank 0: the newest checkpoint whose files are all there and whose model fits, as a path; a UserError to
+    raise on every rank; None for a new run."""
+    for path in reversed(checkpoints.complete_checkpoints()):
+        try:
+            check_same_model(retrying_reads(lambda: Checkpoint.read(path), path), model, app, config)
+            return str(path)
+        except DamagedCheckpoint as e:
+            _set_aside(checkpoints, path, e)
+        except UserError as e:
+            return e
+    if checkpoints.damaged_checkpoints():
+        return UserError(f"no checkpoint in {checkpoints.folder} loads (the damaged ones are kept as *.damaged): "
+                         "delete them to start this run from scratch, or use another dump_dir")
+    run = RunFolder(Path(config.dump_dir))
+    if run.finished:  # its history would be overwritten
+        return UserError(f"{run.root} holds the consolidated.pt of a finished run but no checkpoint to "
+                         "resume from: use another dump_dir (init_from= starts from its weights)")
+    return None
+
+
+def check_same_model(checkpoint: Checkpoint, model, app: App, config) -> None:
+    """The checkpoint is of this app, its tensors fit the model, and no architecture setting changed (some, like
+    n_heads at a fixed dim, change the computation but not the shapes)."""
+    run = RunFolder.of(checkpoint.path).root
+    if checkpoint.app_name != app.name:
+        raise UserError(f"{run} holds a run of {checkpoint.app_name}, not {app.name}: use another dump_dir")
+    architecture = architecture_changes(checkpoint.config, config)
+    mismatched = checkpoint.mismatches(model)
+    if architecture or mismatched:
+        raise UserError(f"{run} holds a model of another shape ({', '.join(architecture) or 'tensor ' + mismatched[0]}"
+                        "): resume with its config, or use another dump_dir")
+
+
+def architecture_changes(old_config: dict, config) -> list[str]:
+    """'key old -> new' for each architecture field of the model (its config classes' `ARCHITECTURE`) and the
+    tokenizer that differs from a saved config."""
+    changes = config_changes(old_config, to_dict(config))
+    architecture = {"data.tokenizer.name", *architecture_fields(config.model, "model.")}
+    return [f"{key} {old} -> {new}" for key, (old, new) in changes.items() if key in architecture]
+
+
+def retrying_reads(read: Callable, path: Path):
+    """`read()`, tried again after an I/O error (`READ_ATTEMPTS` in all); a UserError once it keeps failing. A
+    missing file is no I/O error: DamagedCheckpoint."""
+    for attempt in range(1, READ_ATTEMPTS + 1):
+        try:
+            return read()
+        except FileNotFoundError as e:  # a checkpoint's file gone (deleted since it was listed) is damage
+            raise DamagedCheckpoint(f"{Path(e.filename).name if e.filename else 'a file'} is missing") from None
+        except OSError as e:
+            _wait_to_read_again(path, _unread(e), attempt)
+
+
+def _unread(error: OSError) -> str:
+    return f"{error.strerror or error}{f': {error.filename}' if error.filename else ''}"
+
+
+def _wait_to_read_again(path: Path, reason: str, failed_reads: int) -> None:
+    """After the `failed_reads`-th I/O error reading checkpoint `path`: waits before the next try, or, after the
+    last, stops the run (a UserError), leaving every checkpoint in place."""
+    if failed_reads >= READ_ATTEMPTS:
+        raise UserError(f"cannot read checkpoint {path} ({reason}; tried {READ_ATTEMPTS} times): an I/O error is no "
+                        "proof of damage, so every checkpoint is left in place; start again once the disk reads")
+    delay = RETRY_DELAY_S * 2 ** (failed_reads - 1)
+    logger.warning(f"cannot read checkpoint {path} ({reason}): trying again in {delay:g} s")
+    time.sleep(delay)
+
+
+def _set_aside(checkpoints: CheckpointManager, path: Path, error: DamagedCheckpoint) -> None:
+    aside = checkpoints.set_aside(path)
+    logger.warning(f"checkpoint {path.name} is damaged ({error}): set aside as {aside.name}; trying the one before it")
+
+
+def report_changes(old_config: dict, config, step: int) -> None:
+    changes = config_changes(old_config, to_dict(config))
+    if changes:
+        listed = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changes.items())
+        logger.warning(f"resuming with changed settings: {listed}")
+    if "steps" in changes and step < config.steps:
+        logger.warning(f"the learning-rate schedule is now that of a {config.steps}-step run: step {step + 1} uses lr "
+                       f"{lr_at(step, config.optim, config.steps):.3g} (warm-up {config.optim.warmup} steps, cosine to "
+                       f"{config.optim.lr_min:g} at step {config.steps})")

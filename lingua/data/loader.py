@@ -1,0 +1,353 @@
+"""Training data: JSONL chunks -> tokenized documents -> packed rows of seq_len tokens -> mixed batches.
+
+Layout: ROOT/SOURCE/train.*.jsonl (chunks, read in name order) and ROOT/SOURCE/valid.jsonl, one {"text": ...}
+document per line. Documents are tokenized as `<s> text </s>` (RoBERTa's format, which is also how evaluation,
+lingua/eval/features.py, feeds the encoder), concatenated and cut into rows of exactly seq_len tokens (no padding), a
+document that does not fit continuing in the next row of its source.
+
+Mixing: each packed row is drawn from one source, chosen by weight with a per-rank seeded numpy RNG. Sampling per row
+(rather than per document) makes the weights token proportions, whatever the document lengths, and keeps one carry-over
+buffer per source. Which lines of a source each rank reads, and the state that resumes it exactly, are those of
+lingua/data/source_stream.py.
+
+Validation: fixed rows, each source's valid.jsonl packed like training rows from its start and split over the
+ranks (`load_validation`), apart from the endless, sharded and resumable training stream; lingua/training/validation.py
+reports the loss on them.
+"""
+
+import collections
+import json
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from lingua.args import UserError, at_least, require
+from lingua.data.documents import SkippedRows, document
+from lingua.data.source_stream import SourceStream, line_start_at_or_after, rank_segments
+from lingua.data.tokenizer import TokenizerArgs
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class DataArgs:
+    root_dir: str = ""  # the folder of the sources (setup/prepare_data.py writes data/<source>/)
+    sources: dict[str, float] = field(default_factory=dict)  # source folder -> sampling weight
+    validation_sources: dict[str, float] = field(default_factory=dict)  # the validation rows' sources and weights
+    # (default: sources): a source validated on need not be trained on (the paper's Figure 5 reads Wikipedia's loss)
+    seq_len: int = 512  # tokens per training sequence
+    batch_size: int = 8  # sequences per rank per micro-batch
+    seed: int = 42  # document order and source sampling
+    prefetch: int = 8  # batches loaded ahead in a background thread (0: load in the caller's thread)
+    tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
+
+    def __post_init__(self):
+        at_least(self, 1, "seq_len", "batch_size")
+        at_least(self, 0, "prefetch", "seed")
+        for name in ("sources", "validation_sources"):
+            weights = getattr(self, name).values()
+            require(all(w >= 0 for w in weights) and (not weights or sum(weights) > 0), name,
+                    f"weights must be >= 0 with a positive sum, got {getattr(self, name)}")
+
+
+def check_args(args: DataArgs) -> None:
+    if not os.path.isdir(args.root_dir):
+        raise UserError(f"data root_dir not found: '{args.root_dir}'")
+    if not args.sources:
+        raise UserError("data.sources is empty: give at least one source folder with a weight")
+    for name in args.sources:
+        if not os.path.isdir(os.path.join(args.root_dir, name)):
+            raise UserError(f"data source folder not found: '{os.path.join(args.root_dir, name)}'")
+
+
+def _train_files(args: DataArgs, name: str) -> list[str]:
+    folder = os.path.join(args.root_dir, name)
+    files = sorted(f for f in os.listdir(folder) if f.startswith("train.") and f.endswith(".jsonl"))
+    if not files:
+        raise UserError(f"no train.*.jsonl files in data source folder '{folder}'")
+    return [os.path.join(folder, f) for f in files]
+
+
+class TrainLoader:
+    """Endless iterator of LongTensor [batch_size, seq_len]; state_dict() is the position after the last batch returned.
+
+    With prefetch > 0 a daemon thread runs up to `prefetch` batches ahead; each queued batch carries a snapshot of
+    the state right after it, so prefetched but unconsumed batches are not lost on resume.
+    """
+
+    def __init__(self, args: DataArgs, tokenizer, rank: int, world_size: int, state: dict[str, Any] | None = None):
+        check_args(args)
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.names = sorted(args.sources)
+        weights = np.array([args.sources[n] for n in self.names], dtype=np.float64)
+        self.weights = weights / weights.sum()
+        self.rng = np.random.default_rng([args.seed, rank])
+        self.streams = [SourceStream(n, _train_files(args, n), rank, world_size, tokenizer,
+                                     batch_tokens=args.batch_size * args.seq_len * weight)
+                        for n, weight in zip(self.names, self.weights)]
+        if state is not None:
+            self._load_state_dict(state)
+        self._state = self._snapshot()
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(args.prefetch, 1))
+        self._thread = None
+        if args.prefetch > 0:
+            self._thread = threading.Thread(target=self._produce, name="data-loader", daemon=True)
+            self._thread.start()
+
+    def _next_batch(self) -> torch.Tensor:
+        picks = self.rng.choice(len(self.streams), size=self.args.batch_size, p=self.weights)
+        return torch.tensor([self.streams[i].take(self.args.seq_len) for i in picks], dtype=torch.long)
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size, "rng": self.rng.bit_generator.state,
+                "sources": {n: s.state_dict() for n, s in zip(self.names, self.streams)}}
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+            raise UserError(f"data loader state is for rank {state['rank']} of {state['world_size']}, "
+                            f"not rank {self.rank} of {self.world_size}")
+        if sorted(state["sources"]) != self.names:
+            raise UserError(f"data loader state is for sources {sorted(state['sources'])}, not {self.names}")
+        self.rng.bit_generator.state = state["rng"]
+        for name, stream in zip(self.names, self.streams):
+            stream.load_state_dict(state["sources"][name])
+
+    def _produce(self) -> None:
+        try:
+            while not self._stop.is_set():
+                batch = self._next_batch()
+                self._put((batch, self._snapshot()))
+        except BaseException as e:  # handed to the consumer, which re-raises it instead of waiting forever
+            self._put((None, e))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                pass
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._error is not None:
+            raise self._error
+        if self._stop.is_set():
+            raise RuntimeError("data loader is closed")
+        if self._thread is None:
+            batch, state = self._next_batch(), self._snapshot()
+        else:
+            batch, state = self._queue.get()
+            if batch is None:
+                self._error = state
+                raise state
+        self._state = state
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self._state))  # a deep copy, and proof that it is plain JSON
+
+    @property
+    def malformed_lines(self) -> int:
+        """Malformed lines skipped up to the last batch returned."""
+        return sum(s["malformed_lines"] for s in self._state["sources"].values())
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        for stream in self.streams:
+            stream.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ReadAhead:
+    """Any app's loader (the `DataPipeline` contract), able to fetch the next step's batches before the step:
+    `prepare(n)` says why they cannot be had, so that the ranks agree on a data failure (a file that changed under
+    the run) before any of them starts a step it could not finish. `state_dict` and `malformed_lines` are those
+    after the last batch `next` returned."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.ready: collections.deque = collections.deque()  # (batch, state after it, malformed lines after it)
+        self.state, self.malformed_lines = loader.state_dict(), loader.malformed_lines
+        self.malformed_counted = self.malformed_lines  # by `new_malformed_lines`
+        self.failure: str | None = None
+
+    def new_malformed_lines(self) -> int:
+        """The malformed lines skipped since the previous call (since the start, at the first): a progress line's."""
+        new, self.malformed_counted = self.malformed_lines - self.malformed_counted, self.malformed_lines
+        return new
+
+    def prepare(self, n: int) -> str | None:
+        """Fetches batches until the next n are at hand, waiting for them; returns why they cannot be (one line),
+        or None."""
+        try:
+            while self.failure is None and len(self.ready) < n:
+                batch = next(self.loader)
+                self.ready.append((batch, self.loader.state_dict(), self.loader.malformed_lines))
+        except UserError as e:
+            self.failure = str(e)
+        except OSError as e:
+            self.failure = f"cannot read the training data: {e.strerror or e}{f': {e.filename}' if e.filename else ''}"
+        return self.failure if len(self.ready) < n else None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if not self.ready and self.prepare(1):
+            raise UserError(self.failure)
+        batch, self.state, self.malformed_lines = self.ready.popleft()
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def close(self) -> None:
+        self.loader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def build_train_loader(args: DataArgs, tokenizer, rank: int, world_size: int,
+                       state: dict[str, Any] | None = None) -> TrainLoader:
+    return TrainLoader(args, tokenizer, rank, world_size, state)
+
+
+def repartition(states: list[dict[str, Any]], world_size: int, args: DataArgs) -> list[dict[str, Any]]:
+    """Loader states for `world_size` ranks from the states saved by another number of ranks.
+
+    The unread rest of each source's current epoch, over all old ranks (a partly used document included, with the
+    count of its tokens already used), is cut into `world_size` pieces of about equal bytes at line boundaries: no
+    line is read twice or skipped. The epochs after it use the new ranks' own byte ranges.
+    """
+    check_args(args)
+    new = [{"rank": r, "world_size": world_size, "rng": np.random.default_rng([args.seed, r]).bit_generator.state,
+            "sources": {}} for r in range(world_size)]
+    for name in sorted(args.sources):
+        files = _train_files(args, name)
+        sizes = [os.path.getsize(f) for f in files]
+        rest, epoch, malformed = [], min(old["sources"][name]["epoch"] for old in states), 0
+        for old in states:
+            source = old["sources"][name]
+            if source["total_bytes"] != sum(sizes):
+                raise UserError(f"data source '{name}' changed since the loader state was saved "
+                                f"({source['total_bytes']} bytes then, {sum(sizes)} now)")
+            segments = [[os.path.join(os.path.dirname(files[0]), name), *rest] for name, *rest in source["segments"]] \
+                if "segments" in source else rank_segments(files, sizes, old["rank"], old["world_size"])
+            if source["segment"] < len(segments):
+                path, _, end, _ = segments[source["segment"]]
+                rest += [[path, source["byte"], end, source["token"]], *segments[source["segment"] + 1:]]
+            malformed += source["malformed_lines"]
+        for rank, piece in enumerate(_split_segments([s for s in rest if s[1] < s[2]], world_size)):
+            first = piece[0] if piece else [None, 0, 0, 0]
+            new[rank]["sources"][name] = {"epoch": epoch, "segment": 0, "byte": first[1], "token": first[3],
+                                          "malformed_lines": malformed if rank == 0 else 0, "total_bytes": sum(sizes),
+                                          "segments": [[os.path.basename(path), *rest] for path, *rest in piece]}
+        unread = sum(end - start for _, start, end, _ in rest)
+        logger.info(f"data source '{name}': the {unread:,} unread bytes of epoch {epoch} of {len(states)} rank(s) "
+                    f"are re-partitioned over {world_size} rank(s) at line boundaries")
+    return new
+
+
+def _split_segments(segments: list[list], n: int) -> list[list[list]]:
+    """n consecutive pieces of about equal bytes, cut only at line starts (a partly used first line stays whole)."""
+    total = sum(end - start for _, start, end, _ in segments)
+    targets = [total * (k + 1) // n for k in range(n)]
+    pieces, piece, done = [], [], 0
+    for path, start, end, skip in segments:
+        while start < end:
+            room = targets[len(pieces)] - done if len(pieces) < n - 1 else end - start
+            cut = end if end - start <= room else line_start_at_or_after(path, start + room) if room > 0 else start
+            cut = min(cut, end)
+            if cut > start:
+                piece.append([path, start, cut, skip])
+                done, start, skip = done + cut - start, cut, 0
+            if start < end:  # this piece is full
+                pieces.append(piece)
+                piece = []
+    pieces.append(piece)
+    return pieces + [[] for _ in range(n - len(pieces))]
+
+
+@dataclass(frozen=True)
+class ValidationRows:
+    """Fixed validation rows, the batch first, and how many come from each source ({source: rows}, in row order;
+    empty when the rows are of one kind), from which lingua.training.validation reports each source's loss."""
+
+    tokens: torch.Tensor
+    source_rows: dict[str, int] = field(default_factory=dict)
+
+
+def load_validation(args: DataArgs, tokenizer, n_sequences: int, rank: int = 0, world_size: int = 1) -> ValidationRows:
+    """Fixed validation rows [n_sequences, seq_len] from each source's valid.jsonl, packed like training rows.
+
+    Sources (sorted by name) get n_sequences * weight rows (largest remainder); a source's rows are packed from its
+    own file from the start, and rank r takes rows [r*k, (r+1)*k) of them, so ranks are disjoint. Too little text
+    raises UserError rather than returning fewer rows: a silently smaller set would make losses incomparable. The
+    rows come source after source, counted per source in `source_rows`. `validation_sources`, when given, stands for
+    the training's sources here.
+    """
+    check_args(args)
+    rows, source_rows = [], {}
+    for name, k in _split_by_weight(n_sequences, args.validation_sources or args.sources).items():
+        if k == 0:
+            continue
+        source_rows[name] = k
+        path = os.path.join(args.root_dir, name, "valid.jsonl")
+        if not os.path.isfile(path):
+            raise UserError(f"validation file not found: '{path}'")
+        need = world_size * k * args.seq_len
+        tokens, skipped = _read_tokens(path, tokenizer, need)
+        if len(tokens) < need:
+            raise UserError(f"'{path}' has {len(tokens) // args.seq_len} rows of {args.seq_len} tokens, "
+                            f"{k} per rank x {world_size} ranks needed ({skipped.count} malformed lines skipped)")
+        if skipped.count:
+            logger.warning(skipped.warning(path, "malformed lines"))
+        mine = tokens[rank * k * args.seq_len : (rank + 1) * k * args.seq_len]
+        rows.append(torch.tensor(mine, dtype=torch.long).view(k, args.seq_len))
+    return ValidationRows(torch.cat(rows), source_rows)
+
+
+def _split_by_weight(n: int, weights: dict[str, float]) -> dict[str, int]:
+    names = sorted(weights)
+    exact = [n * weights[s] / sum(weights.values()) for s in names]
+    counts = [int(x) for x in exact]
+    # stable sort: ties go to the source first in name order
+    for i in sorted(range(len(names)), key=lambda i: counts[i] - exact[i])[: n - sum(counts)]:
+        counts[i] += 1
+    return dict(zip(names, counts))
+
+
+def _read_tokens(path: str, tokenizer, limit: int) -> tuple[list[int], SkippedRows]:
+    """The documents' tokens from the start of `path` until there are `limit`, and the malformed lines skipped."""
+    out: list[int] = []
+    skipped = SkippedRows()
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if len(out) >= limit:
+                break
+            doc = document(tokenizer, line)
+            if doc is None:
+                skipped.add(f"line {number}")
+            out += doc or []
+    return out, skipped

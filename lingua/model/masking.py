@@ -1,0 +1,109 @@
+"""Static-shape masking and the masked-LM loss, shared by the apps.
+
+A row of S tokens gets exactly round(ratio * S) masked positions, picked by a random permutation (argsort of uniform
+noise drawn from the loop's generator), so no tensor shape depends on the draw and torch.compile sees static shapes.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lingua.errors import UserError
+
+
+def num_masked(mask_ratio: float, seq_len: int) -> int:
+    """round(mask_ratio * seq_len); a ratio that masks no token, or every token, of a row is a UserError."""
+    n = round(mask_ratio * seq_len)
+    if not 0 < n < seq_len:
+        raise UserError(f"mask_ratio {mask_ratio} masks {n} of {seq_len} tokens per sequence; need 0 < masked < "
+                        f"{seq_len}: change model.mask_ratio or data.seq_len")
+    return n
+
+
+def random_positions(batch: int, seq_len: int, generator: torch.Generator, device) -> torch.Tensor:
+    """One random permutation of 0..seq_len-1 per row, [batch, seq_len]."""
+    noise = torch.rand(batch, seq_len, generator=generator, device=device)
+    return noise.argsort(dim=1)
+
+
+def masked_positions(tokens: torch.Tensor, mask_ratio: float, generator: torch.Generator) -> torch.Tensor:
+    """The round(mask_ratio * S) positions masked in each row of tokens [B, S], a random permutation's first ones
+    (unsorted): [B, M]."""
+    n_masked = num_masked(mask_ratio, tokens.shape[1])
+    return random_positions(*tokens.shape, generator, tokens.device)[:, :n_masked]
+
+
+def gather_tokens(h: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """h [B, S, D], index [B, K] -> [B, K, D]."""
+    return h.gather(1, index.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+
+
+def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    precision = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits are summed in fp32
+    loss = F.cross_entropy(logits.flatten(0, 1).to(precision), targets.flatten())
+    accuracy = (logits.argmax(-1) == targets).float().mean()
+    return loss, {"accuracy": accuracy.detach()}
+
+
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`masked_lm_loss(F.linear(hidden, weight, bias), targets)` without the [tokens, vocab] logits ever existing
+    whole: the logits of chunk_tokens rows at a time, whose gradients are computed at once and kept (2 d V FLOPs
+    forward and 4 backward, as unchunked). Exact up to float summation order; a prediction counts as correct when the
+    target's logit is the largest (a tie, which argmax would break by index, counts too)."""
+    with_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    loss, accuracy = _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, -2), weight, bias, targets.flatten(),
+                                                      chunk_tokens, with_grad)
+    return loss, {"accuracy": accuracy}
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_tokens, with_grad):
+        n = hidden.shape[0]
+        precision = torch.promote_types(hidden.dtype, torch.float32)  # bf16 logits are summed in fp32
+        grad_hidden = torch.empty_like(hidden) if with_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=precision) if with_grad else None
+        grad_bias = torch.zeros_like(bias, dtype=precision) if with_grad and bias is not None else None
+        loss_sum = hidden.new_zeros((), dtype=precision)
+        correct = hidden.new_zeros((), dtype=precision)
+        for start in range(0, n, chunk_tokens):
+            h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens, None]
+            log_probs = F.linear(h, weight, bias).to(precision).log_softmax(-1)  # one fused pass over [chunk, vocab]
+            target_log_probs = log_probs.gather(1, t)
+            loss_sum = loss_sum - target_log_probs.sum()
+            correct = correct + (target_log_probs.squeeze(1) >= log_probs.amax(-1)).sum()
+            if with_grad:  # d(summed loss)/d(logits) = softmax - one_hot; the 1/n is applied once, in backward
+                grad_logits = log_probs.exp_().scatter_add_(1, t, log_probs.new_full(t.shape, -1.0))
+                if grad_bias is not None:
+                    grad_bias += grad_logits.sum(0)
+                grad_logits = grad_logits.to(h.dtype)
+                grad_hidden[start:start + chunk_tokens] = grad_logits @ weight.to(h.dtype)
+                grad_weight += (grad_logits.t() @ h).to(precision)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.n, ctx.weight_dtype = n, weight.dtype
+        accuracy = correct / n
+        ctx.mark_non_differentiable(accuracy)
+        return loss_sum / n, accuracy
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_accuracy):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scale = grad_loss / ctx.n
+        grad_bias = None if grad_bias is None else (grad_bias * scale).to(ctx.weight_dtype)
+        grad_weight = (grad_weight * scale).to(ctx.weight_dtype)
+        return grad_hidden * scale.to(grad_hidden.dtype), grad_weight, grad_bias, None, None, None
+
+
+class MaskedLMHead(NamedTuple):
+    """How a model predicts a `<mask>`ed token outside training (what the export's AutoModelForMaskedLM computes,
+    lingua/export/hf_folder.py): the output head tied to the backbone's token embedding, plus `output_bias`, on the
+    states of `reader`: "encoder", the backbone's over the masked row (BERT); "predictor", a cross-attention predictor's
+    that reads the backbone's states of the other tokens (CrossBERT); "generator", a generator's over the backbone's
+    embeddings of the masked row (ELECTRA). An app's model gives it with a method `masked_lm_head()`."""
+
+    reader: str
+    network: nn.Module | None  # the predictor or the generator, its shapes in `.args`
+    output_bias: torch.Tensor | None

@@ -1,0 +1,186 @@
+"""What the training loop measures besides the training loss: evaluations, each at its interval. The loop runs a list
+of them (`build_evaluations`): the validation (the loss on fixed held-out sequences, or an app's own, e.g. a
+fine-tuned model's dev-set scores), the frozen GLUE probes (the config's `eval` section) and whatever the app adds
+(`App.evaluations`)."""
+
+import functools
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+
+from lingua.app import App
+from lingua.args import UserError, at_least
+from lingua.data.loader import ValidationRows
+from lingua.distributed import Launch, all_reduce, on_every_rank
+from lingua.eval.glue import GlueEvalArgs, check_args, probe_length, run_glue_probes
+from lingua.eval.glue_data import SkippedLinesReport
+from lingua.parallel import autocast
+from lingua.training.divergence import NonFiniteGuard
+
+
+@dataclass
+class ValidationArgs:
+    every: int = 100  # steps between validations; 0 disables
+    n_sequences: int = 64  # fixed held-out sequences
+    batch_size: int = 16  # sequences per forward pass
+    seed: int = 1234  # the masking of the validation set is the same at every validation and in every run
+    keep_best: str = ""  # a validation metric, higher is better (e.g. val/score): the weights where it is highest
+    # so far are saved to DUMP_DIR/best.pt, their validation record to best.json
+
+    def __post_init__(self):
+        at_least(self, 0, "every", "seed")
+        at_least(self, 1, "n_sequences", "batch_size")
+
+
+@torch.no_grad()
+def validate(model, rows: ValidationRows, args: ValidationArgs, device: torch.device, launch: Launch) -> dict:
+    """Loss and accuracy on fixed sequences with a fixed masking seed: comparable across steps, runs and world sizes.
+    Every rank draws the masks of each whole chunk and evaluates its own rows of it; the sums are reduced. Rows from
+    several sources (`rows.source_rows`) also give each source's loss, val/loss/SOURCE: a rank evaluates its rows of
+    a chunk source by source, masked as the whole chunk."""
+    model.eval()
+    generator = torch.Generator(device).manual_seed(args.seed)
+    tokens, sources = rows.tokens, rows.source_rows
+    ends = list(itertools.accumulate(sources.values())) if len(sources) > 1 else [len(tokens)]
+    totals: dict[str, torch.Tensor] = {}
+    by_source = torch.zeros(len(ends), device=device)
+    first = 0  # the chunk's first row
+    for chunk in tokens.split(args.batch_size):
+        batch = model.make_batch(chunk.to(device), generator)
+        mine = torch.arange(first, first + len(chunk)).tensor_split(launch.world_size)[launch.rank]
+        for source, (start, end) in _parts(int(mine[0]), int(mine[-1]) + 1, ends).items():
+            part = {key: value[start - first:end - first] for key, value in batch.items()}
+            with autocast(device):
+                loss, stats = model(**part)
+            rows = end - start  # rows predict equally many tokens: row-weighted means are exact
+            for key, value in {"loss": loss, **stats}.items():
+                totals[key] = totals.get(key, 0) + value.detach().float() * rows
+            by_source[source] += loss.detach().float() * rows
+        first += len(chunk)
+    model.train()
+    rows = torch.tensor([len(tokens)] * len(totals) + [end - begin for begin, end in zip([0, *ends], ends)],
+                        device=device)
+    means = (all_reduce(torch.cat([torch.stack(list(totals.values())), by_source])) / rows).tolist()
+    record = {f"val/{key}": value for key, value in zip(totals, means)}
+    if len(sources) > 1:
+        record |= {f"val/loss/{name}": value for name, value in zip(sources, means[len(totals):])}
+    return record
+
+
+def _parts(start: int, end: int, ends: list[int]) -> dict[int, tuple[int, int]]:
+    """{source index: (first row, end row)} of rows [start, end) where sources end at `ends` (cumulative)."""
+    parts, begin = {}, 0
+    for index, source_end in enumerate(ends):
+        low, high = max(start, begin), min(end, source_end)
+        if low < high:
+            parts[index] = (low, high)
+        begin = source_end
+    return parts
+
+
+def check_validation_split(args: ValidationArgs, world_size: int) -> None:
+    """Each chunk of validation rows is split over the ranks: each must get at least one row of every chunk."""
+    chunks = [args.batch_size] * (args.n_sequences // args.batch_size) + [args.n_sequences % args.batch_size]
+    if min(c for c in chunks if c) < world_size:
+        raise UserError(f"validation.batch_size {args.batch_size} and validation.n_sequences {args.n_sequences} "
+                        f"leave a chunk of fewer rows than the {world_size} processes: use multiples of {world_size}")
+
+
+class Evaluation(Protocol):
+    """One evaluation of the model being trained, run by the loop when it is `due`: on finite weights only, by every
+    rank at the same steps (a sharded model computes with all of them); its scores are logged to metrics.jsonl with
+    the step, and must be the same on every rank (reduced)."""
+
+    name: str  # what it is called in logs and errors; with keep_best, the config section of that key
+    keep_best: str  # a metric of its scores, higher is better, whose best weights are kept (best.pt; one evaluation
+    # of a run at most); "": none
+
+    def due(self, step: int) -> bool: ...
+
+    def run(self, step: int) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class EvalContext:
+    """What evaluations during training are built from."""
+
+    model: torch.nn.Module  # the model being trained
+    tokenizer: Any
+    config: Any  # the run's config (TrainArgs) as it trains
+    device: torch.device
+    launch: Launch
+    guard: NonFiniteGuard  # stops the run on a non-finite score (`guard.stop`)
+
+
+def build_evaluations(app: App, context: EvalContext) -> list[Evaluation]:
+    """The evaluations the loop runs, in order: the validation (`validation.every`), the GLUE probes (`eval.every`),
+    then the app's own (`App.evaluations`). The validation's rows are read here, at the start."""
+    config, evaluations = context.config, []
+    if config.validation.every > 0:
+        evaluations.append(Validation(app, context))
+    if config.eval.every > 0:
+        evaluations.append(GlueProbes(context.model, context.tokenizer, config.eval, config.data.seq_len,
+                                      context.device))
+    evaluations += app.evaluations(context) if app.evaluations is not None else []
+    keeping = [evaluation.name for evaluation in evaluations if evaluation.keep_best]
+    if len(keeping) > 1:
+        raise UserError(f"one evaluation keeps the best weights (best.pt), not {len(keeping)}: {', '.join(keeping)}")
+    return evaluations
+
+
+def check_evaluations(app: App, config, world_size: int) -> None:
+    """What would stop an evaluation later, checked before the run starts (a bad GLUE path fails now, not at the
+    first evaluation)."""
+    if config.validation.every > 0 and app.validate is None:
+        check_validation_split(config.validation, world_size)
+    if config.eval.every > 0:
+        check_args(config.eval)
+
+
+class Validation:
+    """The loss on the validation rows (or the app's own `validate()`) every `validation.every` steps and at the last
+    one; a non-finite loss stops the run."""
+
+    name = "validation"
+
+    def __init__(self, app: App, context: EvalContext):
+        config, model = context.config, context.model
+        self.every, self.last_step, self.keep_best = config.validation.every, config.steps, config.validation.keep_best
+        self.guard = context.guard
+        rows = on_every_rank(lambda: app.data.load_validation(config.data, context.tokenizer,
+                                                              config.validation.n_sequences))
+        self.score: Callable[[], dict[str, float]] = (
+            functools.partial(app.validate, model, rows, config.validation, config.data, context.device, context.launch)
+            if app.validate is not None else
+            functools.partial(validate, model, rows if isinstance(rows, ValidationRows) else ValidationRows(rows),
+                              config.validation, context.device, context.launch))
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.last_step
+
+    def run(self, step: int) -> dict[str, float]:
+        scores = self.score()
+        if not math.isfinite(scores["val/loss"]):
+            self.guard.stop(f"the validation loss is {scores['val/loss']} at step {step}")
+        return scores
+
+
+class GlueProbes:
+    """The frozen GLUE probes (lingua/eval/glue.py) every `eval.every` steps, on texts of at most the training length;
+    each file's malformed lines are reported once in the run."""
+
+    name, keep_best = "eval", ""
+
+    def __init__(self, model, tokenizer, args: GlueEvalArgs, seq_len: int, device: torch.device):
+        self.model, self.tokenizer, self.device, self.report = model, tokenizer, device, SkippedLinesReport()
+        self.args = replace(args, max_len=probe_length(args, seq_len, model.backbone.args.max_seqlen))
+
+    def due(self, step: int) -> bool:
+        return step % self.args.every == 0
+
+    def run(self, step: int) -> dict[str, float]:
+        return run_glue_probes(self.model, self.tokenizer, self.args, self.device, self.report)
