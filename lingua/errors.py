@@ -1,4 +1,4 @@
-"""The one error a user can fix. Its own module so that every layer, the readers of files included, can raise it."""
+"""The one error a user can fix, raised by every layer (the readers of files included) in one line."""
 
 
 class UserError(Exception):

@@ -1,7 +1,6 @@
 """A pipeline's results as the paper's tables read them (tools.tables): for each variant of DIR/pipeline.json, its
 pre-training run's parameters, FLOPs and tps, its frozen GLUE probes (last layer and every layer), its fine-tuning
-sweeps' chosen scores and its MTEB results, gathered into a Variant. Its own file: reading the stages' outputs is
-apart from laying the tables out.
+sweeps' chosen scores and its MTEB results, gathered into a Variant.
 """
 
 import re

@@ -1,6 +1,5 @@
 """The plots of `python -m tools.scaling plot`: the paper's Figures 1, 3, 4, 5 and 6 and Appendix H's heatmaps, drawn
-with matplotlib from a sweep's runs (tools.scaling_runs). Its own file: the drawing (panels, axes, the fitted laws
-dashed across the points) is a concern apart from planning and fitting.
+with matplotlib from a sweep's runs (tools.scaling_runs): panels, axes, the fitted laws dashed across the points.
 """
 
 import math

@@ -1,7 +1,6 @@
-"""One JSONL line's document as tokens (`<s> text </s>`), and the count of the malformed rows a reader skips.
-
-Its own file because every reader of rows shares it: the training stream (lingua/data/source_stream.py), the validation
-rows (lingua/data/loader.py), the GLUE TSV files (lingua/eval/glue_data.py) and the contrastive pairs.
+"""One JSONL line's document as tokens (`<s> text </s>`), and the count of the malformed rows a reader skips. Every
+reader of rows shares it: the training stream (lingua/data/source_stream.py), the validation rows
+(lingua/data/loader.py), the GLUE TSV files (lingua/eval/glue_data.py) and the contrastive pairs.
 """
 
 from lingua.files.untrusted import Malformed, parse_json

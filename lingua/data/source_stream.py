@@ -1,7 +1,5 @@
-"""One rank's share of one training source: an endless stream of tokens, and the state that resumes it exactly.
-
-Its own file because which bytes each rank reads, the epochs, and what happens to a data file that changes under a
-run are apart from the mixing of the sources and the loader's thread (lingua/data/loader.py).
+"""One rank's share of one training source: an endless stream of tokens, and the state that resumes it exactly. The
+mixing of the sources and the loader's thread are lingua/data/loader.py's.
 
 Sharding: the chunks of a source are treated as one byte stream of T bytes; rank r owns the lines that START in bytes
 [r*T/W, (r+1)*T/W). Every line starts in exactly one range, so each line is used exactly once per epoch for any number

@@ -1,8 +1,7 @@
 """The GLUE tasks and their splits: each task's definition (files, columns, labels, metrics) and the reading of its
 train and dev splits from the original TSV files or the HF hub, malformed lines skipped, counted and reported once.
-
-Its own file because fine-tuning (apps/finetune), the offline MTEB stand-ins and the tables read the same tasks and
-splits without the probes (lingua/eval/glue.py).
+Fine-tuning (apps/finetune), the offline MTEB stand-ins and the tables read them too; the probes are
+lingua/eval/glue.py.
 """
 
 import logging

@@ -1,8 +1,6 @@
 """The export's tokenizer files: tokenizer.json, a `tokenizers.Tokenizer` that gives our ids (GPT-2's BPE from
-tiktoken's ranks, or the bytes one, with `<s> text </s>` added), and tokenizer_config.json.
-
-Its own file because turning our tokenizer into HuggingFace's is apart from the model's config and weights
-(lingua/export/hf_folder.py), and is the only part that needs `tokenizers` and transformers' tiktoken converter.
+tiktoken's ranks, or the bytes one, with `<s> text </s>` added), and tokenizer_config.json. The only part of the export
+that needs `tokenizers` and transformers' tiktoken converter.
 """
 
 from tiktoken_ext.openai_public import r50k_pat_str

@@ -1,6 +1,6 @@
 """A pipeline's plan: its file (the format is described at the top of lingua/jobs/pipeline.py) read into stages, each
-expanded per variant with its values filled in, checked, and ordered after the stages it needs. Its own file: reading
-a plan runs nothing and touches no record, so the tools and tests that only read a pipeline's stages need no more.
+expanded per variant with its values filled in, checked, and ordered after the stages it needs. Reading a plan runs
+nothing and touches no record.
 """
 
 import dataclasses

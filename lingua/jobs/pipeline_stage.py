@@ -1,7 +1,6 @@
 """One stage of a pipeline: running its command (a stop signal passed on, its process group stopped after it), its
 records in DIR/stages/STAGE/ (log.txt, started.json, done.json, failed.json) and its state read back from them, for
-a stage run on this host, on another, or by SLURM. Its own file: what a stage's job runs and what every view of a
-pipeline reads, apart from reading the pipeline's file and from launching it.
+a stage run on this host, on another, or by SLURM.
 """
 
 import json

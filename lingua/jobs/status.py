@@ -1,6 +1,6 @@
 """The status of stool's runs: a run's state, last step and losses, and why it failed, from its dump_dir alone
 (metrics.jsonl, config.yaml, job.json and submitit's result file, read as plain data so that reading runs no code),
-one row per run of a sweep. Its own file: it only reads folders, whoever wrote them, and submits nothing.
+one row per run of a sweep. It only reads folders, whoever wrote them, and submits nothing.
 """
 
 import pickle
