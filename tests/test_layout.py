@@ -82,3 +82,49 @@ def test_layers_import_downwards_only():
     upward = sorted((module, target) for module, targets in import_graph().items() for target in targets
                     if layer[target.split(".")[0]] > layer[module.split(".")[0]])
     assert upward == []
+
+
+def core_unit(module: str) -> str:
+    """The part of lingua/ a module belongs to: its sub-package (`lingua.checkpoint`), else the top module itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or (REPO / Path(*parts)).is_dir() else module
+
+
+def floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each module's floor: 1 for a module that imports none of the others, else one above the highest it imports."""
+    found: dict[str, int] = {}
+
+    def floor(module: str) -> int:
+        if module not in found:
+            found[module] = 1 + max((floor(target) for target in graph[module]), default=0)
+        return found[module]
+
+    return {module: floor(module) for module in graph}
+
+
+def core_graph() -> dict[str, set[str]]:
+    return {module: {t for t in targets if t.startswith("lingua")} for module, targets in import_graph().items()
+            if module.startswith("lingua")}
+
+
+def test_the_core_is_grouped_by_concept_and_shallow():
+    """At most 15 modules side by side at the top of lingua/ (the rest in a sub-package per concept), and at most 10
+    floors in its import graph."""
+    top = sorted(path.name for path in (REPO / "lingua").glob("*.py"))
+    assert len(top) <= 15, top
+    assert floors({"a": {"b"}, "b": {"c"}, "c": set()}) == {"a": 3, "b": 2, "c": 1}
+    deepest = max(floors(core_graph()).values())
+    assert 5 <= deepest <= 10
+
+
+def test_the_core_packages_import_downwards_only():
+    """The packages of lingua/ (and its top modules) import each other in one direction: no two import each other,
+    through any path. A package's `__main__` is a command, above every package."""
+    graph: dict[str, set[str]] = {}
+    for module, targets in core_graph().items():
+        if module.endswith(".__main__"):
+            continue
+        unit = core_unit(module)
+        graph.setdefault(unit, set()).update(core_unit(t) for t in targets if core_unit(t) != unit)
+    assert {"lingua.checkpoint", "lingua.app", "lingua.training"} <= graph.keys()
+    assert circles(graph) == []
