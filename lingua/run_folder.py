@@ -106,10 +106,6 @@ class RunFolder:
         return self.root / SUBMITTED
 
     @property
-    def job_record(self) -> Path:
-        return self.root / JOB_RECORD
-
-    @property
     def finished(self) -> bool:
         """Whether the run trained to its last step: its consolidated weights are there."""
         return self.consolidated.exists()

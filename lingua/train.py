@@ -129,7 +129,7 @@ def train(app: App, config) -> dict[str, Any]:
     locked for the run; nothing in it is written before the start has succeeded (config checked, checkpoint
     loaded, data found)."""
     launch = detect_launch()
-    start = open_start(app, config, launch.world_size)
+    start = open_start(app, config, RunFolder(Path(config.dump_dir)), launch.world_size)  # its folder, made once here
     config = resolve_config(app, config, start)
     device = resolve_device(config.device, launch.local_rank)
     check_evaluations(app, config, launch.world_size)
@@ -138,11 +138,11 @@ def train(app: App, config) -> dict[str, Any]:
         activity = Activity("the start-up")
         try:
             fail_together(memory_shortfall(app, config, device, launch))  # before anything is allocated or written
-            run = RunFolder(Path(config.dump_dir))
+            run = start.run
             on_rank_zero(lambda: _make_folder(run.root))
-            with RunLock(run.root) as lock:
+            with RunLock(run) as lock:
                 on_every_rank(lambda: setup_logging(run.log, launch.rank, lock.lost))
-                return Trainer(app, config, start, run, device, launch, activity, lock).fit()
+                return Trainer(app, config, start, device, launch, activity, lock).fit()
         except RuntimeError as e:
             kind = collective_failure(e)
             if kind is None:
@@ -179,21 +179,21 @@ class Trainer:
     and a lost lease is a failure of the agreement after every step: a process whose lease was taken over while it
     stalled writes nothing more and stops."""
 
-    def __init__(self, app: App, config, start: Start, run: RunFolder, device: torch.device, launch: Launch,
-                 activity: Activity, lock: RunLock):
+    def __init__(self, app: App, config, start: Start, device: torch.device, launch: Launch, activity: Activity,
+                 lock: RunLock):
         self.app, self.config, self.run, self.device, self.launch, self.activity, self.lock = \
-            app, config, run, device, launch, activity, lock
+            app, config, start.run, device, launch, activity, lock
         self.tokenizer = build_tokenizer(config.data.tokenizer)
         self.model = build_model(app.build_model, config.model, self.tokenizer, device, config.seed,
                                  (config.distributed, launch), plan=app.parallelize)
         check_batch_shape(self.model, app.data.row_shape(config.data), device)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.params = {"app": app.name, "config": to_dict(config)}
-        self.checkpoints = CheckpointManager(run.checkpoints, config.checkpoint, lock.lost)
-        on_rank_zero(self.checkpoints.check_folder)
+        self.checkpoints = CheckpointManager(self.run.checkpoints, config.checkpoint, lock.lost)
+        on_rank_zero(lambda: self.checkpoints.check_folder(self.run))
         self.checkpoints.remove_leftovers()
         if launch.rank == 0:
-            for partial in remove_partial_writes(run.root):
+            for partial in remove_partial_writes(self.run.root):
                 logger.info(f"removed {partial.name}, left by a process killed while writing it")
         self.generator = torch.Generator(device).manual_seed(config.seed + launch.rank)  # the masking's draws
         self.state = self._start_state(start)  # init_from's weights are read there, then let go
@@ -213,7 +213,7 @@ class Trainer:
     def _start_state(self, start: Start) -> TrainState:
         """The resumed checkpoint's state, or a new run's (from `init_from`'s weights when given)."""
         config = self.config
-        saved = resume(self.checkpoints, self.model, self.optimizer, self.app, config, self.launch)
+        saved = resume(start, self.checkpoints, self.model, self.optimizer, self.app, config, self.launch)
         if saved is not None:
             state = TrainState.from_dict(saved)
             if state.generator is not None:

@@ -41,6 +41,7 @@ from lingua.checkpoint.store import (
 from lingua.export.hf_folder import main as export_main
 from lingua.files.safe import atomic_write
 from lingua.metrics import LoggingArgs, MetricLogger, read_metrics
+from lingua.run_folder import RunFolder
 from lingua.train import train
 
 
@@ -433,6 +434,6 @@ def test_a_file_gone_since_the_checkpoint_was_listed_is_damage(tmp_path, monkeyp
     def gone(path):
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path / "train_state_00000.json"))
     monkeypatch.setattr(resume, "verify", gone)
-    assert resume.resumed_config(tmp_path / "run") is None  # damaged: resume() sets it aside
+    assert resume.resumed_config(RunFolder(tmp_path / "run")) is None  # damaged: resume() sets it aside
     with pytest.raises(DamagedCheckpoint, match="^train_state_00000.json is missing$"):
         resume.retrying_reads(lambda: gone(checkpoint), checkpoint)

@@ -16,6 +16,7 @@ from lingua.args import UserError, load_config
 from lingua.checkpoint.resume import open_start
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.export.embedder import load_embedder
+from lingua.run_folder import RunFolder
 from lingua.train import train
 from tests.conftest import WORDS, kill_after_first_checkpoint_then_restart, read_metrics, tiny_argv
 
@@ -105,7 +106,7 @@ def test_frozen_training_moves_only_the_pooler_and_warm_starts_it_from_the_predi
 
 def test_no_gradient_reaches_a_frozen_backbone(pretrained, tmp_path):
     args = load_config(contrastive.APP.args_cls, contrastive_argv(tmp_path / "x.jsonl", tmp_path / "d", pretrained, 1))
-    args = contrastive.APP.configure(args, open_start(contrastive.APP, args, 1))
+    args = contrastive.APP.configure(args, open_start(contrastive.APP, args, RunFolder(Path(args.dump_dir)), 1))
     tokenizer = build_tokenizer(args.data.tokenizer)
     model = contrastive.APP.build_model(args.model, tokenizer)
     model = model.to_empty(device="cpu")

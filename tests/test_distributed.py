@@ -25,6 +25,7 @@ from lingua.checkpoint.store import CheckpointArgs, CheckpointManager
 from lingua.data.loader import DataArgs, TrainLoader, repartition
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.distributed import Launch, detect_launch, first_host
+from lingua.run_folder import RunFolder
 from lingua.training.lifecycle import RunLock
 
 
@@ -357,7 +358,7 @@ def _training_children(pid: int) -> list[int]:
 def test_a_held_dump_dir_refuses_every_rank(corpus, tmp_path):
     dump = tmp_path / "run"
     dump.mkdir()
-    with RunLock(dump):
+    with RunLock(RunFolder(dump)):
         result = torchrun("-m", "apps.bert.train", *_train_argv(corpus, dump, 2), check=False)
     assert result.returncode != 0 and result.stderr.count("is in use by a running training") == 2
     assert "]: Traceback" not in result.stderr  # no worker traceback (torchrun reports the exit status with its own)

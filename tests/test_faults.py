@@ -24,6 +24,7 @@ from lingua.app import load_model
 from lingua.args import load_config
 from lingua.checkpoint import safe_dcp
 from lingua.checkpoint import store as checkpoint_module
+from lingua.run_folder import RunFolder
 from lingua.training import step as training_step
 from lingua.training.lifecycle import RunLock
 from lingua.training.optim import lr_at
@@ -79,7 +80,7 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path):
 def test_a_second_trainer_on_a_live_dump_dir_is_refused(corpus, tmp_path, capsys):
     dump = tmp_path / "run"
     dump.mkdir()
-    with RunLock(dump):  # a live run: a thread, process or node holding the dump_dir
+    with RunLock(RunFolder(dump)):  # a live run: a thread, process or node holding the dump_dir
         status, err = run_main(tiny_argv(corpus, dump, steps=2), capsys)
         assert sorted(p.name for p in dump.iterdir()) == [".lock"]  # the refused start wrote nothing
     assert status == 2

@@ -21,6 +21,7 @@ from lingua.checkpoint.resume import open_start
 from lingua.checkpoint.store import Checkpoint
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.eval.glue_data import TASKS
+from lingua.run_folder import RunFolder
 from lingua.train import main, train
 from tests.conftest import REPO, kill_after_first_checkpoint_then_restart, read_metrics, run_to_the_end, tiny_argv
 from tools.finetune import sweep, table
@@ -281,7 +282,7 @@ def test_a_resume_on_another_number_of_processes_is_refused(pretrained, tmp_path
     run_finetune(argv)
     with pytest.raises(UserError, match="started with 4 steps an epoch, here 2: resume it on as many processes"):
         args = load_config(finetune.APP.args_cls, argv + ["data.batch_size=8"])  # as 2 of 4
-        finetune.APP.configure(args, open_start(finetune.APP, args, 1))
+        finetune.APP.configure(args, open_start(finetune.APP, args, RunFolder(Path(args.dump_dir)), 1))
 
 
 def test_malformed_lines_are_reported_by_the_runs_reads_not_by_the_start_check(tmp_path, caplog):
@@ -313,9 +314,10 @@ def test_init_from_is_opened_once_and_configure_reads_no_file(pretrained, tmp_pa
     starts = {}
     for dump_dir in ("run", "new"):  # resumed (the steps are checked against its start) and new
         args = load_config(finetune.APP.args_cls, argv + [f"dump_dir={tmp_path / dump_dir}"])
-        starts[dump_dir] = args, open_start(finetune.APP, args, 1)
+        starts[dump_dir] = args, open_start(finetune.APP, args, RunFolder(Path(args.dump_dir)), 1)
     shutil.rmtree(source)
-    resumed = open_start(finetune.APP, starts["run"][0], 1)  # a resumed run has its own weights: init_from may go
+    # a resumed run has its own weights: init_from may go
+    resumed = open_start(finetune.APP, starts["run"][0], RunFolder(tmp_path / "run"), 1)
     assert resumed.init_from is None and resumed.resumed is not None
     assert to_dict(finetune.APP.configure(starts["run"][0], resumed)) == to_dict(config)
     shutil.rmtree(glue)

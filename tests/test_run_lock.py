@@ -15,6 +15,7 @@ from conftest import end, read_metrics, start, tiny_argv
 from apps.bert.train import APP as BERT
 from lingua import train as loop
 from lingua.args import UserError
+from lingua.run_folder import RunFolder
 from lingua.training.lifecycle import RunLock, lease_holder, lease_text, process_start
 
 ANOTHER_HOST = {"host": "node7", "pid": "4242", "started": "12345", "machine": "another-boot/4026531836"}
@@ -31,7 +32,7 @@ def write_lease(dump: Path, age_s: float = 0, **holder) -> Path:
 
 def refusal(dump: Path, **lock_args) -> str:
     with pytest.raises(UserError) as refused:
-        RunLock(dump, **lock_args).__enter__()
+        RunLock(RunFolder(dump), **lock_args).__enter__()
     return str(refused.value)
 
 
@@ -53,7 +54,7 @@ def test_a_lease_is_taken_over_only_once_it_is_not_renewed_for_the_timeout(tmp_p
     lease = write_lease(tmp_path, age_s=30, **ANOTHER_HOST)
     assert "(pid 4242 on node7" in refusal(tmp_path, stale_after_s=60)
     write_lease(tmp_path, age_s=90, **ANOTHER_HOST)
-    with RunLock(tmp_path, stale_after_s=60):
+    with RunLock(RunFolder(tmp_path), stale_after_s=60):
         assert lease.read_text().startswith(f"pid {os.getpid()} on {os.uname().nodename} ")
     assert not lease.exists()  # released at the end: the next start needs no takeover
 
@@ -65,13 +66,13 @@ def test_a_lease_of_this_machine_is_taken_over_once_its_process_is_gone(tmp_path
         write_lease(tmp_path, age_s=3600, **alive)  # a stalled heartbeat, but the process provably runs
         assert f"(pid {sleeper.pid} on " in refusal(tmp_path)
         write_lease(tmp_path, **{**alive, "started": "1"})  # the pid reused by another process
-        with RunLock(tmp_path):
+        with RunLock(RunFolder(tmp_path)):
             pass
     finally:
         sleeper.kill()
         sleeper.wait()
     write_lease(tmp_path, **alive)  # the process has exited
-    with RunLock(tmp_path):
+    with RunLock(RunFolder(tmp_path)):
         assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} ")
 
 
@@ -83,7 +84,7 @@ def test_a_lease_of_an_earlier_round_of_the_same_job_is_taken_over(tmp_path, mon
     write_lease(tmp_path, **ANOTHER_HOST)  # the same job and round: two commands in one allocation
     assert "(pid 4242 on node7" in refusal(tmp_path)
     write_lease(tmp_path, **ANOTHER_HOST, round="0")
-    with RunLock(tmp_path):
+    with RunLock(RunFolder(tmp_path)):
         pass
 
 
@@ -93,7 +94,7 @@ def test_a_lease_that_names_no_holder_is_judged_by_its_renewal_alone(tmp_path):
     assert refusal(tmp_path, stale_after_s=60).startswith(f"{tmp_path} is in use by a running training (another "
                                                           f"process, lease {lease} renewed ")
     os.utime(lease, (time.time() - 90,) * 2)
-    with RunLock(tmp_path, stale_after_s=60):
+    with RunLock(RunFolder(tmp_path), stale_after_s=60):
         assert lease.read_text().startswith(f"pid {os.getpid()} ")
 
 
@@ -121,7 +122,7 @@ def test_of_two_processes_racing_for_a_stale_lease_exactly_one_wins(tmp_path, mo
 
         def contend():
             start.wait()
-            lock = RunLock(tmp_path)
+            lock = RunLock(RunFolder(tmp_path))
             try:
                 results.append(lock.__enter__())
             except UserError as e:
@@ -140,7 +141,7 @@ def test_of_two_processes_racing_for_a_stale_lease_exactly_one_wins(tmp_path, mo
 
 def test_the_heartbeat_renews_the_lease_while_it_is_held(tmp_path):
     lease = tmp_path / ".lock"
-    with RunLock(tmp_path, heartbeat_s=0.05):
+    with RunLock(RunFolder(tmp_path), heartbeat_s=0.05):
         os.utime(lease, (time.time() - 3600,) * 2)
         deadline = time.time() + 5
         while time.time() < deadline and time.time() - lease.stat().st_mtime > 60:

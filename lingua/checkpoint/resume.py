@@ -24,8 +24,11 @@ RETRY_DELAY_S = 2.0  # after this, then twice as long each time; then the run st
 
 @dataclass(frozen=True)
 class Start:
-    """What a run starts from, read once by the loop before the app's `configure` decides the config from it."""
+    """How a run starts, read once, before its config is decided: its folder, and a new run (from init_from's
+    weights when given) or a resumed one. The app's `configure` decides the config from it; the loop hands it to the
+    run lock, the resume and the Trainer, which ask it rather than the dump_dir again."""
 
+    run: RunFolder  # the run's folder (its dump_dir), the one object every part of the start is given
     init_from: Checkpoint | None = None  # a new run's init_from, opened: its config and shapes (its weights load into
     # the model later, through this same object)
     resumed: dict | None = None  # the config of the run in dump_dir, when it resumes (its newest checkpoint's)
@@ -33,22 +36,23 @@ class Start:
     data: dict = field(default_factory=dict)  # what the data pipeline's `check` reports, e.g. {"train_rows": N}
 
 
-def open_start(app: App, config, world_size: int) -> Start:
-    """The resumed run's config, else init_from opened (a resumed run has its own weights: its init_from may be
-    gone), and the data's facts; a UserError for a bad init_from or bad data, before anything is written."""
-    resumed, init_from = resumed_config(Path(config.dump_dir)), None
+def open_start(app: App, config, run: RunFolder, world_size: int) -> Start:
+    """How the run in `run` (config.dump_dir's folder) starts: the resumed run's config, else init_from opened (a
+    resumed run has its own weights: its init_from may be gone), and the data's facts; a UserError for a bad
+    init_from or bad data, before anything is written."""
+    resumed, init_from = resumed_config(run), None
     if config.init_from and resumed is None:
         try:
             init_from = Checkpoint.open(config.init_from, app.name)  # this run's app is the one its command names
         except UserError as e:
             raise UserError(f"init_from: {e}") from None
-    return Start(init_from, resumed, world_size, app.data.check(config.data))
+    return Start(run, init_from, resumed, world_size, app.data.check(config.data))
 
 
-def resumed_config(dump_dir: Path) -> dict | None:
-    """The config of the newest checkpoint in dump_dir whose files are all there (its params.json: no tensor, no
-    pickle is read); None for a new run."""
-    for path in reversed(CheckpointManager(RunFolder(dump_dir).checkpoints, CheckpointArgs()).complete_checkpoints()):
+def resumed_config(run: RunFolder) -> dict | None:
+    """The config of the run's newest checkpoint whose files are all there (its params.json: no tensor, no pickle is
+    read); None for a new run."""
+    for path in reversed(CheckpointManager(run.checkpoints, CheckpointArgs()).complete_checkpoints()):
         try:
             return retrying_reads(lambda: verify(path), path)["config"]
         except DamagedCheckpoint:
@@ -56,8 +60,10 @@ def resumed_config(dump_dir: Path) -> dict | None:
     return None
 
 
-def resume(checkpoints: CheckpointManager, model, optimizer, app: App, config, launch: Launch) -> dict | None:
-    """Loads the newest checkpoint that loads and returns this rank's train state; None for a new run.
+def resume(start: Start, checkpoints: CheckpointManager, model, optimizer, app: App, config, launch: Launch) \
+        -> dict | None:
+    """Loads the newest of the run's checkpoints (`checkpoints`: start.run's) that loads and returns this rank's
+    train state; None for a new run.
 
     Rank 0 picks the checkpoint and every rank loads that one. A checkpoint proven damaged (a missing or truncated
     file, content that does not parse) is set aside and the one before it is tried; an I/O error is no proof: the
@@ -68,7 +74,8 @@ def resume(checkpoints: CheckpointManager, model, optimizer, app: App, config, l
     """
     failed_reads = 0
     while True:
-        choice = broadcast_object(_pick_checkpoint(checkpoints, model, app, config) if launch.rank == 0 else None)
+        choice = broadcast_object(_pick_checkpoint(start.run, checkpoints, model, app, config)
+                                  if launch.rank == 0 else None)
         if isinstance(choice, UserError) or choice is None:
             if choice is not None:
                 raise choice
@@ -103,12 +110,13 @@ def resume(checkpoints: CheckpointManager, model, optimizer, app: App, config, l
         return {**states[0], "data": data, "generator": None}
 
 
-def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, config) -> str | UserError | None:
+def _pick_checkpoint(run: RunFolder, checkpoints: CheckpointManager, model, app: App, config) \
+        -> str | UserError | None:
     """Rank 0: the newest checkpoint whose files are all there and whose model fits, as a path; a UserError to
     raise on every rank; None for a new run."""
     for path in reversed(checkpoints.complete_checkpoints()):
         try:
-            check_same_model(retrying_reads(lambda: Checkpoint.read(path), path), model, app, config)
+            check_same_model(retrying_reads(lambda: Checkpoint.read(path), path), run, model, app, config)
             return str(path)
         except DamagedCheckpoint as e:
             _set_aside(checkpoints, path, e)
@@ -117,24 +125,23 @@ def _pick_checkpoint(checkpoints: CheckpointManager, model, app: App, config) ->
     if checkpoints.damaged_checkpoints():
         return UserError(f"no checkpoint in {checkpoints.folder} loads (the damaged ones are kept as *.damaged): "
                          "delete them to start this run from scratch, or use another dump_dir")
-    run = RunFolder(Path(config.dump_dir))
     if run.finished:  # its history would be overwritten
         return UserError(f"{run.root} holds the consolidated.pt of a finished run but no checkpoint to "
                          "resume from: use another dump_dir (init_from= starts from its weights)")
     return None
 
 
-def check_same_model(checkpoint: Checkpoint, model, app: App, config) -> None:
-    """The checkpoint is of this app, its tensors fit the model, and no architecture setting changed (some, like
-    n_heads at a fixed dim, change the computation but not the shapes)."""
-    run = RunFolder.of(checkpoint.path).root
+def check_same_model(checkpoint: Checkpoint, run: RunFolder, model, app: App, config) -> None:
+    """The checkpoint (one of `run`'s) is of this app, its tensors fit the model, and no architecture setting changed
+    (some, like n_heads at a fixed dim, change the computation but not the shapes)."""
     if checkpoint.app_name != app.name:
-        raise UserError(f"{run} holds a run of {checkpoint.app_name}, not {app.name}: use another dump_dir")
+        raise UserError(f"{run.root} holds a run of {checkpoint.app_name}, not {app.name}: use another dump_dir")
     architecture = architecture_changes(checkpoint.config, config)
     mismatched = checkpoint.mismatches(model)
     if architecture or mismatched:
-        raise UserError(f"{run} holds a model of another shape ({', '.join(architecture) or 'tensor ' + mismatched[0]}"
-                        "): resume with its config, or use another dump_dir")
+        raise UserError(f"{run.root} holds a model of another shape "
+                        f"({', '.join(architecture) or 'tensor ' + mismatched[0]}): resume with its config, or use "
+                        "another dump_dir")
 
 
 def architecture_changes(old_config: dict, config) -> list[str]:

@@ -251,10 +251,10 @@ class CheckpointManager:
             shutil.rmtree(leftover)
             logger.info(f"removed {leftover.name}, left by a process killed while saving or pruning")
 
-    def check_folder(self) -> None:
-        """The checkpoints folder is a folder, or absent: never a file, nor a link (dangling or not: checkpoints
-        written through it would land, and older ones be pruned, outside the run folder)."""
-        RunFolder(self.folder.parent).writable(self.folder)
+    def check_folder(self, run: RunFolder) -> None:
+        """The checkpoints folder (`run`'s) is a folder, or absent: never a file, nor a link (dangling or not:
+        checkpoints written through it would land, and older ones be pruned, outside the run folder)."""
+        run.writable(self.folder)
         if self.folder.exists() and not self.folder.is_dir():
             raise UserError(f"{self.folder} is a file, not the run's checkpoint folder")
 

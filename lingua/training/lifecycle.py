@@ -280,8 +280,8 @@ class RunLock:
     writes nothing more there and the loop stops every rank with that reason.
     """
 
-    def __init__(self, dump_dir: Path, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
-        self.path = RunFolder(Path(dump_dir)).lock
+    def __init__(self, run: RunFolder, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
+        self.path = run.lock
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self.descriptor: int | None = None  # of this process's lease, while it holds one (rank 0)
         self.lease: Lease | None = None
