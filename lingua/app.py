@@ -14,7 +14,7 @@ else. An app that trains on something other than packed text rows (contrastive t
 `DataPipeline`; one that starts from another app's weights gives `load_init`
 (and `configure`, to take that run's shapes); one scored otherwise than by a loss on held-out rows gives `validate`
 (fine-tuning: dev-set metrics); one measured otherwise too during training (e.g. an STS score) gives `evaluations`.
-`configure` decides and reads no file: the loop reads, once, what the run starts from (lingua/checkpoint/resume.py
+`configure` decides and reads no file: the loop reads, once, what the run starts from (lingua/training/resume.py
 `Start`: init_from opened, the resumed run's config, the data pipeline's `check`). The loop builds the model on the meta
 device, parallelises it,
 materialises it and calls `init_weights`; it owns the data, the optimizer, the schedule, checkpoints, logging and
@@ -105,7 +105,7 @@ class AppModel(nn.Module, abc.ABC):
                 trunc_normal_(module.query, self.backbone.args.init_std)
 
     def pooler_warm_start(self) -> tuple[TransformerArgs, dict[str, torch.Tensor]] | None:
-        """What starts another run's attention pooler (lingua/checkpoint/pretrained.py): its block shapes and its
+        """What starts another run's attention pooler (lingua/training/pretrained.py): its block shapes and its
         weights under the pooler's names (lingua/model/pooler.py); by default the model's own attention pooler
         (`pooler`: a contrastive or fine-tuning run's), None without one (a cold start)."""
         pooler = getattr(self, "pooler", None)
@@ -141,7 +141,7 @@ class App:
     args_cls: type  # a TrainArgs subclass with a `model` field
     build_model: Callable[[Any, Any], AppModel]  # (model args, tokenizer) -> model, called on the meta device
     data: DataPipeline = TEXT  # packed rows of the text corpus (lingua/data/loader.py)
-    configure: Callable[[Any, Any], Any] | None = None  # (config, lingua.checkpoint.resume.Start) -> the config the run
+    configure: Callable[[Any, Any], Any] | None = None  # (config, lingua.training.resume.Start) -> the config the run
     # trains with (e.g. init_from's shapes); it decides from what it is given and reads no file
     load_init: Callable[[Any, Any], dict] | None = None  # (init_from's Checkpoint, model) -> the config it was
     # trained with; default: the checkpoint's weights into the model as it is (Checkpoint.load_into)

@@ -3,7 +3,7 @@
 An app (apps/<name>/train.py) supplies only its model and config: `App(name, args_cls, build_model)`, following the
 contract in lingua/app.py. Everything about a run lives in its `dump_dir`; restarting with the same dump_dir
 resumes from the newest checkpoint that loads and continues exactly, on the same or another number of processes
-(lingua/checkpoint/resume.py).
+(lingua/training/resume.py).
 
 The same command runs in one process, under `torchrun` or under SLURM's `srun` (lingua/distributed.py): each rank
 trains on its own share of the data; gradients are reduced by FSDP2; only rank 0 writes logs and metrics, whose
@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from lingua.app import App, build_model
 from lingua.args import UserError, at_least, command_line, dump_config, load_config, require, to_dict
-from lingua.checkpoint.resume import Start, architecture_changes, open_start, resume
 from lingua.checkpoint.store import CheckpointArgs, CheckpointManager, TrainState, save_consolidated
 from lingua.data.loader import DataArgs, ReadAhead
 from lingua.data.tokenizer import build_tokenizer
@@ -75,6 +74,7 @@ from lingua.training.lifecycle import (
 )
 from lingua.training.memory import memory_shortfall
 from lingua.training.optim import OptimArgs, build_optimizer, lr_at, set_lr
+from lingua.training.resume import Start, architecture_changes, open_start, resume
 from lingua.training.step import training_step
 from lingua.training.validation import EvalContext, ValidationArgs, build_evaluations, check_evaluations
 

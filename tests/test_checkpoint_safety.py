@@ -26,8 +26,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from apps.bert.train import APP
 from lingua.app import load_model
 from lingua.args import UserError, load_config
-from lingua.checkpoint import resume
-from lingua.checkpoint.consolidate import main as checkpoint_main
 from lingua.checkpoint.store import (
     MANIFEST,
     PARAMS,
@@ -38,11 +36,13 @@ from lingua.checkpoint.store import (
     TrainState,
     verify,
 )
+from lingua.export.consolidate import main as checkpoint_main
 from lingua.export.hf_folder import main as export_main
 from lingua.files.safe import atomic_write
 from lingua.metrics import LoggingArgs, MetricLogger, read_metrics
 from lingua.run_folder import RunFolder
 from lingua.train import train
+from lingua.training import resume
 
 
 class Creates:

@@ -13,11 +13,11 @@ from apps.contrastive.model import eq5_loss, info_nce
 from apps.crossbert.train import APP as CROSSBERT
 from lingua.app import load_model
 from lingua.args import UserError, load_config
-from lingua.checkpoint.resume import open_start
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.export.embedder import load_embedder
 from lingua.run_folder import RunFolder
 from lingua.train import train
+from lingua.training.resume import open_start
 from tests.conftest import WORDS, kill_after_first_checkpoint_then_restart, read_metrics, tiny_argv
 
 

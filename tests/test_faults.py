@@ -522,7 +522,7 @@ def test_an_io_error_reading_the_newest_checkpoint_sets_nothing_aside(corpus, tm
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(safe_dcp.SafeReader, "read_data", read_data_with_an_io_error)
-    monkeypatch.setattr("lingua.checkpoint.resume.RETRY_DELAY_S", 0.01)
+    monkeypatch.setattr("lingua.training.resume.RETRY_DELAY_S", 0.01)
     status, err = run_main(tiny_argv(corpus, dump, steps=20), capsys)
     assert checkpoint_names(dump) == ["0000000010", "0000000020"]
     log = (dump / "train.log").read_text()

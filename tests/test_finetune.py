@@ -17,12 +17,12 @@ from apps.finetune.data import GlueDataArgs, GlueLoader, check_splits, decode_la
 from apps.finetune.train import FinetuneTrainArgs
 from lingua.app import load_model
 from lingua.args import UserError, from_dict, load_config, to_dict
-from lingua.checkpoint.resume import open_start
 from lingua.checkpoint.store import Checkpoint
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.eval.glue_data import TASKS
 from lingua.run_folder import RunFolder
 from lingua.train import main, train
+from lingua.training.resume import open_start
 from tests.conftest import REPO, kill_after_first_checkpoint_then_restart, read_metrics, run_to_the_end, tiny_argv
 from tools.finetune import sweep, table
 

@@ -18,7 +18,7 @@ never above 1 / (1 + K e^-2) (0.51).
 gradient and its parameters do not require one. `frozen: false` fine-tunes everything.
 
 The backbone comes from `init_from=` (any app's run or checkpoint): `configure` takes its encoder shape and
-tokenizer, and `lingua.checkpoint.pretrained.load_pretrained` its weights, plus, for CrossBERT with `pooler.warm_start`,
+tokenizer, and `lingua.training.pretrained.load_pretrained` its weights, plus, for CrossBERT with `pooler.warm_start`,
 the predictor's weights into the attention pooler (Appendix D), which must have the config's shape (`model.pooler`, the
 same for every app compared).
 """
@@ -32,10 +32,10 @@ from torch.distributed.nn.functional import all_gather
 
 from lingua.app import AppModel
 from lingua.args import require
-from lingua.checkpoint.pretrained import adopt_pretrained
 from lingua.model.flops import encoder_flops_per_token
 from lingua.model.pooler import AttentionPooler, PoolerArgs, mean_pool_normalised, pooler_transformer
 from lingua.model.transformer import Encoder, TransformerArgs, check_sub_network, head_dim_of
+from lingua.training.pretrained import adopt_pretrained
 
 LOSSES = ("simclr", "eq5")
 DEFAULT_TEMPERATURE = 0.05
@@ -133,6 +133,6 @@ def build_contrastive(args: ContrastiveArgs, tokenizer) -> Contrastive:
 
 
 def configure(config, start):
-    """The pre-trained run's encoder and tokenizer (from `start`, lingua/checkpoint/resume.py: init_from or the resumed
-    run); a warm start of the attention pooler must have the config's shape (lingua/checkpoint/pretrained.py)."""
+    """The pre-trained run's encoder and tokenizer (from `start`, lingua/training/resume.py: init_from or the resumed
+    run); a warm start of the attention pooler must have the config's shape (lingua/training/pretrained.py)."""
     return adopt_pretrained(config, start, attention_pooler=config.model.pooler.kind == "attention")

@@ -12,8 +12,8 @@ from apps.contrastive.data import (
 )
 from apps.contrastive.model import ContrastiveArgs, build_contrastive, configure
 from lingua.app import DataPipeline
-from lingua.checkpoint.pretrained import load_pretrained
 from lingua.train import App, TrainArgs, main
+from lingua.training.pretrained import load_pretrained
 
 TRIPLETS = DataPipeline(build_triplet_loader, load_triplet_validation, repartition_triplets, row_shape)
 

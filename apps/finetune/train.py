@@ -23,14 +23,14 @@ from apps.finetune.data import (
 from apps.finetune.model import FinetuneArgs, build_finetune
 from lingua.app import DataPipeline
 from lingua.args import UserError, at_least, require
-from lingua.checkpoint.pretrained import adopt_pretrained, load_pretrained
-from lingua.checkpoint.resume import Start
 from lingua.checkpoint.store import Checkpoint
 from lingua.distributed import Launch, all_reduce
 from lingua.eval.glue import task_scores
 from lingua.parallel import autocast
 from lingua.train import App, TrainArgs, main
 from lingua.training.optim import OptimArgs
+from lingua.training.pretrained import adopt_pretrained, load_pretrained
+from lingua.training.resume import Start
 from lingua.training.validation import ValidationArgs
 
 GLUE = DataPipeline(GlueLoader, load_dev_rows, repartition_position, row_shape, check_splits)
@@ -60,7 +60,7 @@ class FinetuneTrainArgs(TrainArgs):
 
 
 def configure(config: FinetuneTrainArgs, start: Start) -> FinetuneTrainArgs:
-    """The pre-trained run's shapes and tokenizer (lingua/checkpoint/pretrained.py), the task's head, the data order
+    """The pre-trained run's shapes and tokenizer (lingua/training/pretrained.py), the task's head, the data order
     from the run's seed, and the schedule in epochs (from the train split's size, `check_splits`): `steps`,
     `optim.warmup`, the evaluation after each epoch and a checkpoint at least once an epoch. A run resumed on another
     number of processes, whose epochs would change, is refused."""

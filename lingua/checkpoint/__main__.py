@@ -1,6 +1,6 @@
-"""python -m lingua.checkpoint consolidate CHECKPOINT_DIR OUT.pt [app=NAME]: see lingua/checkpoint/consolidate.py."""
+"""python -m lingua.checkpoint consolidate CHECKPOINT_DIR OUT.pt [app=NAME]: see lingua/export/consolidate.py."""
 import sys
 
-from lingua.checkpoint.consolidate import main
+from lingua.export.consolidate import main
 
 main(sys.argv[1:])

@@ -163,7 +163,7 @@ def _read_json(path: Path, keys: dict[str, type] | None = None) -> dict:
     except RefusedFile as e:
         raise DamagedCheckpoint(str(e)) from None
     except FileNotFoundError:  # gone since it was checked; any other OSError is no proof of damage: it is raised as
-        raise DamagedCheckpoint(f"{path.name} is missing") from None  # it is, and lingua.checkpoint.resume reads again
+        raise DamagedCheckpoint(f"{path.name} is missing") from None  # it is, and lingua.training.resume reads again
     try:
         content = untrusted.parse_json(data)
     except untrusted.Malformed as e:

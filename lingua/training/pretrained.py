@@ -10,17 +10,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from lingua.app import UntrustedApp, build_checkpoint_model, checkpoint_app, load_model
 from lingua.args import UserError, from_dict, to_dict
-from lingua.checkpoint.resume import Start
 from lingua.checkpoint.store import Checkpoint
 from lingua.model.pooler import PoolerArgs, pooler_transformer
 from lingua.model.transformer import TransformerArgs, head_dim_of
+from lingua.training.resume import Start
 
 RUNTIME_KEYS = ("attn_backend", "head_chunk")  # the encoder's settings that are this run's choice, not the model's
 
 
 def adopt_pretrained(config, start: Start, attention_pooler: bool):
     """The config with the encoder shape and tokenizer of the pre-trained run (a new run's init_from, opened by
-    lingua/checkpoint/resume.py's Start), or those the resumed run started with. The attention pooler keeps the config's
+    lingua/training/resume.py's Start), or those the resumed run started with. The attention pooler keeps the config's
     shape (`model.pooler`, the same for every app compared); when it warm-starts (`attention_pooler` and a source that
     offers one), what starts it must have that shape."""
     source = start.resumed or (start.init_from.config if start.init_from is not None else None)
