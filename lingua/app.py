@@ -13,7 +13,8 @@ only when that is one of these or the app named on the command line (`trusted_ap
 else. An app that trains on something other than packed text rows (contrastive triplets) gives its own
 `DataPipeline`; one that starts from another app's weights gives `load_init`
 (and `configure`, to take that run's shapes); one scored otherwise than by a loss on held-out rows gives `validate`
-(fine-tuning: dev-set metrics); one measured otherwise too during training (e.g. an STS score) gives `evaluations`.
+(fine-tuning: dev-set metrics); one measured otherwise too during training registers `evaluations` (the shipped
+apps: the frozen GLUE probes, with an `eval` section in their TrainArgs; an STS score).
 `configure` decides and reads no file: the loop reads, once, what the run starts from (lingua/checkpoint/resume.py
 `Start`: init_from opened, the resumed run's config, the data pipeline's `check`). The loop builds the model on the meta
 device, parallelises it,
@@ -147,9 +148,9 @@ class App:
     # trained with; default: the checkpoint's weights into the model as it is (Checkpoint.load_into)
     validate: Callable | None = None  # (model, validation rows, ValidationArgs, data args, device, Launch) ->
     # {"val/...": value}, equal on every rank: the app's own validation, in place of the loss on the validation rows
-    evaluations: Callable | None = None  # (lingua.training.validation.EvalContext) -> more evaluations the loop runs
-    # during training, after the validation and the GLUE probes (lingua.training.validation.Evaluation: name, keep_best
-    # ("": none), due(step), run(step))
+    evaluations: tuple = ()  # the kinds of evaluation the loop runs during training after the validation, each a
+    # lingua.training.validation.EvaluationKind: check(config, world_size), build(EvalContext) -> an Evaluation (name,
+    # keep_best ("": none), due(step), run(step)) or None; e.g. GLUE_PROBES, with an `eval` section in the config
     parallelize: Callable | None = None  # (model, DistributedArgs, Launch, device): the app's own parallelism
     # plan; default: activation checkpointing, compile and FSDP2 per sharding unit (lingua/parallel.py)
     scaling: ScalingLaws | None = None  # its batch-size and learning-rate laws, for `tools.scaling plan`
