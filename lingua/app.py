@@ -13,7 +13,9 @@ only when that is one of these or the app named on the command line (`trusted_ap
 else. An app that trains on something other than packed text rows (contrastive triplets) gives its own
 `DataPipeline`; one that starts from another app's weights gives `load_init`
 (and `configure`, to take that run's shapes); one scored otherwise than by a loss on held-out rows gives `validate`
-(fine-tuning: dev-set metrics); one measured otherwise too during training (e.g. an STS score) gives `evaluations`.
+(fine-tuning: dev-set metrics); one measured otherwise too during training registers `evaluations` (the shipped
+apps: the frozen GLUE probes, with an `eval` section in their TrainArgs; an STS score); one that predicts `<mask>`ed
+tokens declares how on its model (`AppModel.masked_lm`), which the export follows.
 `configure` decides and reads no file: the loop reads, once, what the run starts from (lingua/training/resume.py
 `Start`: init_from opened, the resumed run's config, the data pipeline's `check`). The loop builds the model on the meta
 device, parallelises it,
@@ -38,11 +40,38 @@ from lingua.checkpoint.store import Checkpoint, short_reason
 from lingua.data.loader import build_train_loader, load_validation, repartition
 from lingua.data.tokenizer import build_tokenizer
 from lingua.distributed import DistributedArgs, Launch
-from lingua.model.masking import MaskedLMHead
 from lingua.model.pooler import AttentionPooler
 from lingua.model.scaling import ScalingLaws
 from lingua.model.transformer import Encoder, PreNormBlock, TransformerArgs, init_weights, trunc_normal_
 from lingua.parallel import parallelize
+
+MASKED_LM_READS = ("encoder", "cross_attention", "self_attention")  # the states a masked-LM head may read, which the
+# export knows how to compute (lingua/export/template/modeling_lingua.py)
+
+
+@dataclass(frozen=True)
+class MaskedLMHead:
+    """How an app's model predicts a `<mask>`ed token outside training, declared by the app (`AppModel.masked_lm`):
+    the output head tied to the backbone's token embedding, on the states that `reads` names, computed by the model's
+    network `network` (its shapes in `.args`). The export (AutoModelForMaskedLM) and its model card follow it.
+
+    `reads`: "encoder", the backbone's final states over the masked row (no network); "cross_attention", a network
+    whose learned mask embedding at every position reads, through cross-attention blocks and a final norm, the
+    backbone's states of the tokens other than `<mask>` (projected in and out when its width is not the backbone's);
+    "self_attention", a network of self-attention blocks and a final norm over the backbone's token embeddings of the
+    masked row."""
+
+    reads: str  # one of MASKED_LM_READS
+    description: str  # what it is, in the model card: e.g. "CrossBERT's predictor"
+    network: str = ""  # the model's attribute holding the network ("" when it reads the encoder's states)
+    output_bias: bool = True  # the tied head adds the backbone's `output_bias`, when the backbone has one
+
+    def __post_init__(self):
+        if self.reads not in MASKED_LM_READS:
+            raise ValueError(f"MaskedLMHead.reads must be one of {', '.join(MASKED_LM_READS)}, got {self.reads!r}")
+        if (self.reads == "encoder") != (not self.network):
+            raise ValueError(f"a MaskedLMHead reading {self.reads!r} "
+                             + ("takes no network" if self.network else "must name the model's network computing it"))
 
 
 class AppModel(nn.Module, abc.ABC):
@@ -54,6 +83,8 @@ class AppModel(nn.Module, abc.ABC):
     backbone_name = "encoder"  # the attribute holding the `Encoder` that `encode` runs
     evaluation_methods: tuple[str, ...] = ("encode",)  # what evaluation calls instead of forward (FSDP gathers the
     # weights for them too)
+    masked_lm: MaskedLMHead | None = None  # how it predicts a `<mask>`ed token outside training (the export's
+    # AutoModelForMaskedLM); None: it predicts no token (e.g. a contrastive or fine-tuning model)
 
     @abc.abstractmethod
     def make_batch(self, tokens: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -111,11 +142,6 @@ class AppModel(nn.Module, abc.ABC):
         pooler = getattr(self, "pooler", None)
         return (pooler.args, pooler.state_dict()) if isinstance(pooler, AttentionPooler) else None
 
-    def masked_lm_head(self) -> MaskedLMHead | None:
-        """How the model predicts a `<mask>`ed token outside training (the export's AutoModelForMaskedLM); None: it
-        has no masked-LM head (e.g. a contrastive or fine-tuning model)."""
-        return None
-
 
 @dataclass(frozen=True)
 class DataPipeline:
@@ -147,9 +173,9 @@ class App:
     # trained with; default: the checkpoint's weights into the model as it is (Checkpoint.load_into)
     validate: Callable | None = None  # (model, validation rows, ValidationArgs, data args, device, Launch) ->
     # {"val/...": value}, equal on every rank: the app's own validation, in place of the loss on the validation rows
-    evaluations: Callable | None = None  # (lingua.training.validation.EvalContext) -> more evaluations the loop runs
-    # during training, after the validation and the GLUE probes (lingua.training.validation.Evaluation: name, keep_best
-    # ("": none), due(step), run(step))
+    evaluations: tuple = ()  # the kinds of evaluation the loop runs during training after the validation, each a
+    # lingua.training.validation.EvaluationKind: check(config, world_size), build(EvalContext) -> an Evaluation (name,
+    # keep_best ("": none), due(step), run(step)) or None; e.g. GLUE_PROBES, with an `eval` section in the config
     parallelize: Callable | None = None  # (model, DistributedArgs, Launch, device): the app's own parallelism
     # plan; default: activation checkpointing, compile and FSDP2 per sharding unit (lingua/parallel.py)
     scaling: ScalingLaws | None = None  # its batch-size and learning-rate laws, for `tools.scaling plan`

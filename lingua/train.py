@@ -47,7 +47,6 @@ from lingua.distributed import (
     on_rank_zero,
     resolve_device,
 )
-from lingua.eval.glue import GlueEvalArgs
 from lingua.files.safe import atomic_write, remove_partial_writes
 from lingua.metrics import (
     LoggingArgs,
@@ -98,7 +97,6 @@ class TrainArgs:
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     validation: ValidationArgs = field(default_factory=ValidationArgs)
-    eval: GlueEvalArgs = field(default_factory=GlueEvalArgs)  # frozen GLUE probes every eval.every steps (0: off)
     distributed: DistributedArgs = field(default_factory=DistributedArgs)  # processes, sharding, compile
     lifecycle: LifecycleArgs = field(default_factory=LifecycleArgs)  # the stop signal and SLURM's requeue
 

@@ -4,6 +4,7 @@ AutoModelForMaskedLM gives our masked-LM logits (BERT's tied head, CrossBERT's p
 the fill-mask pipeline their softmax; a run that predicts no token claims no masked-LM head. Tiny models with every
 weight moved off its init, built in place (no training)."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -16,12 +17,12 @@ from apps.contrastive.train import APP as CONTRASTIVE
 from apps.crossbert.train import APP as CROSSBERT
 from apps.electra.train import APP as ELECTRA
 from apps.finetune.train import APP as FINETUNE
-from lingua.app import build_from_params
+from lingua.app import MASKED_LM_READS, MaskedLMHead, build_from_params
 from lingua.args import UserError, load_config, to_dict
 from lingua.checkpoint.store import save_consolidated
 from lingua.eval.features import encode_example, mean_pool, pad_batch
 from lingua.eval.glue_data import TASKS
-from lingua.export.hf_folder import ExportArgs, export
+from lingua.export.hf_folder import TEMPLATE_DIR, ExportArgs, export
 from lingua.model.transformer import default_positions
 
 transformers = pytest.importorskip("transformers")
@@ -196,7 +197,8 @@ def test_masked_lm_gives_our_logits_at_the_masks(exports, kind):
     masked_lm, loading = load("AutoModelForMaskedLM", folder)
     assert not any(loading.values()), loading
     config = json.loads((folder / "config.json").read_text())
-    assert config["masked_lm"] == {"bert": "encoder", "crossbert": "predictor", "electra": "generator"}[kind]
+    assert config["masked_lm"] == {"bert": "encoder", "crossbert": "cross_attention", "electra": "self_attention"}[kind]
+    assert f"masked LM: {model.masked_lm.description}: " in (folder / "README.md").read_text()  # the app's words
     tokens, real, masked = masked_batch(folder, tokenizer.mask_id)
     labels = torch.where(masked, tokens, -100)
     with torch.no_grad():
@@ -220,6 +222,18 @@ def test_fill_mask_pipeline_scores_are_our_softmax(exports, kind):
     scores, ids = logits.softmax(-1).topk(5)
     assert [result["token"] for result in results] == ids.tolist()
     close(torch.tensor([result["score"] for result in results]), scores)
+
+
+def test_a_masked_lm_head_reads_what_the_export_computes():
+    """An app's declared head reads one of the states the export's template computes, through a network it names
+    exactly when it has one."""
+    spec = importlib.util.spec_from_file_location("configuration_lingua", TEMPLATE_DIR / "configuration_lingua.py")
+    template = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(template)
+    assert template.MASKED_LMS == ("none", *MASKED_LM_READS)
+    for reads, network in [("decoder", "decoder"), ("cross_attention", ""), ("encoder", "encoder")]:
+        with pytest.raises(ValueError, match="MaskedLMHead"):
+            MaskedLMHead(reads, "a head", network=network)
 
 
 def test_a_contrastive_export_has_no_masked_lm(exports):

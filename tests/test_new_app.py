@@ -1,7 +1,8 @@
 """Adding an app is local: a new app, a span-masking MLM written into a temporary folder (a model file, an entry
 point as short as BERT's, a config), trains, resumes, benchmarks, plans a scaling run, is probed on GLUE and is
-exported, with no file outside its folder changed (the commands that open its checkpoints name it, app=spanmlm: a
-checkpoint builds no app but this code's unless the user names it)."""
+exported with the masked-LM head it declares (a network of its own name), with no file outside its folder changed (the
+commands that open its checkpoints name it, app=spanmlm: a checkpoint builds no app but this code's unless the user
+names it)."""
 
 import json
 import textwrap
@@ -14,22 +15,26 @@ from conftest import read_metrics, write_corpus
 
 from lingua.app import load_app, load_model
 from lingua.export import hf_folder as export
+from lingua.model.transformer import default_positions
 from lingua.train import main
 from tools import benchmark, scaling
 from tools.eval import glue as glue_command
 
 GLUE = Path(__file__).parent / "fixtures" / "glue"
 MODEL = '''
-    """Span masking: `spans` runs of `span` consecutive tokens per row become <mask>; the encoder predicts them."""
+    """Span masking: `spans` runs of `span` consecutive tokens per row become <mask>; the encoder predicts them, and
+    so does a one-block drafter over the encoder's token embeddings (the masked-LM head the export carries)."""
 
     from dataclasses import dataclass, field
 
     import torch
+    from torch import nn
 
-    from lingua.app import AppModel
+    from lingua.app import AppModel, MaskedLMHead
     from lingua.model.flops import encoder_flops_per_token, output_head_flops
     from lingua.model.masking import gather_tokens
-    from lingua.model.transformer import Encoder, TransformerArgs, default_positions
+    from lingua.model.transformer import (Encoder, RMSNorm, RotaryEmbedding, SelfAttentionBlock, TransformerArgs,
+                                          default_positions, head_dim_of, sub_network)
 
 
     @dataclass
@@ -39,11 +44,29 @@ MODEL = '''
         spans: int = 2
 
 
+    class Drafter(nn.Module):
+        def __init__(self, args: TransformerArgs):
+            super().__init__()
+            self.args = args
+            self.rope = RotaryEmbedding(head_dim_of(args), args.max_seqlen, args.rope_theta)
+            self.layers = nn.ModuleList(SelfAttentionBlock(args) for _ in range(args.n_layers))
+            self.norm = RMSNorm(args.dim, args.norm_eps)
+
+        def forward(self, h, positions):
+            rope = self.rope(positions)
+            for layer in self.layers:
+                h = layer(h, rope, None)
+            return self.norm(h)
+
+
     class SpanMlm(AppModel):
+        masked_lm = MaskedLMHead("self_attention", "the span model's drafter", network="drafter")
+
         def __init__(self, args: SpanArgs, vocab_size: int, mask_id: int):
             super().__init__()
             self.args, self.mask_id = args, mask_id
             self.encoder = Encoder(args.encoder, vocab_size)
+            self.drafter = Drafter(sub_network(args.encoder, 1))
 
         def make_batch(self, tokens, generator):
             rows, length = tokens.shape
@@ -54,14 +77,18 @@ MODEL = '''
                     "targets": tokens.gather(1, mask_idx)}
 
         def forward(self, inputs, mask_idx, targets):
-            hidden = self.encoder(inputs, default_positions(inputs))
-            return self.encoder.lm_loss(gather_tokens(hidden, mask_idx), targets)
+            positions = default_positions(inputs)
+            loss, stats = self.encoder.lm_loss(gather_tokens(self.encoder(inputs, positions), mask_idx), targets)
+            drafted = self.drafter(self.encoder.embed(inputs), positions)
+            draft_loss, _ = self.encoder.lm_loss(gather_tokens(drafted, mask_idx), targets)
+            return loss + draft_loss, {**stats, "draft_loss": draft_loss.detach()}
 
         def flops_per_token_view(self, seq_len):
-            return encoder_flops_per_token(self.args.encoder, seq_len)
+            return encoder_flops_per_token(self.args.encoder, seq_len) + encoder_flops_per_token(self.drafter.args,
+                                                                                                 seq_len)
 
         def head_flops_per_token_view(self, seq_len):
-            predicted = self.args.span * self.args.spans / seq_len
+            predicted = 2 * self.args.span * self.args.spans / seq_len  # the encoder's and the drafter's
             return output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings) * predicted
 
 
@@ -146,3 +173,14 @@ def test_an_app_outside_the_tree_trains_resumes_benchmarks_plans_probes_and_expo
     with torch.no_grad():
         expected, got = model.encode(tokens), hf_model(input_ids=tokens).last_hidden_state
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+    # its masked-LM head, declared under a name the core does not know, is exported and described in the card
+    config = json.loads((out / "config.json").read_text())
+    assert config["masked_lm"] == "self_attention" and config["mlm_num_layers"] == 1
+    assert "masked LM: the span model's drafter: 1 self-attention block(s)" in (out / "README.md").read_text()
+    masked_lm, loading = transformers.AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True,
+                                                                           output_loading_info=True)
+    assert not any(loading.values()), loading
+    with torch.no_grad():
+        drafted = model.encoder.logits(model.drafter(model.encoder.embed(tokens), default_positions(tokens)))
+        torch.testing.assert_close(masked_lm.eval()(input_ids=tokens).logits, drafted, atol=1e-5, rtol=0)

@@ -1,5 +1,6 @@
 """End-to-end runs of the shared training loop with the BERT app on a tiny corpus."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -15,12 +16,12 @@ from conftest import kill_after_first_checkpoint_then_restart, read_metrics, tin
 
 from apps.bert.train import APP
 from lingua.app import load_model
-from lingua.args import load_config
+from lingua.args import UserError, load_config
 from lingua.data.loader import ValidationRows
 from lingua.distributed import Launch
 from lingua.parallel import parallelize
-from lingua.train import train
-from lingua.training.validation import ValidationArgs, validate
+from lingua.train import TrainArgs, train
+from lingua.training.validation import GLUE_PROBES, EvaluationKind, ValidationArgs, validate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,6 +153,26 @@ def test_glue_probes_during_training(corpus, tmp_path):
     assert all(0 <= r["glue/sst2/linear"] <= 100 and "glue/stsb/linear" in r for r in probes)
 
 
+def test_the_glue_probes_are_an_evaluation_the_app_registers(corpus, tmp_path):
+    """The loop names no evaluation: the GLUE probes are a kind the app registers (App.evaluations) beside their
+    `eval` section in the app's config, not in TrainArgs. A bad setting of probes that will run stops the run before
+    its folder exists; an app that registers none has no `eval` key."""
+    assert "eval" not in {field.name for field in dataclasses.fields(TrainArgs)} and GLUE_PROBES in APP.evaluations
+    assert "glue" not in (REPO / "lingua" / "train.py").read_text().lower()
+    dump = tmp_path / "run"
+    with pytest.raises(UserError, match="GLUE data folder not found"):
+        run(tiny_argv(corpus, dump, steps=2) + [f"eval.data={tmp_path / 'nowhere'}", "eval.every=1"])
+    assert not dump.exists()
+    run(tiny_argv(corpus, dump, steps=2) + [f"eval.data={tmp_path / 'nowhere'}"])  # eval.every=0: no probe runs
+
+    @dataclasses.dataclass
+    class UnprobedArgs(TrainArgs):
+        model: dict = dataclasses.field(default_factory=dict)
+
+    with pytest.raises(UserError, match="unknown config key 'eval'"):
+        load_config(UnprobedArgs, ["dump_dir=x", "eval.every=2"])
+
+
 class SentenceSimilarity:
     """An app's own evaluation (an STS-like score): the cosine of two fixed rows' mean-pooled states, every 3 steps."""
 
@@ -174,7 +195,8 @@ class SentenceSimilarity:
 def test_an_apps_own_evaluation_runs_at_its_interval_and_keeps_its_best(corpus, tmp_path):
     """App.evaluations adds an evaluation without any change to the loop; its keep_best exports best.pt."""
     built = []
-    app = replace(APP, evaluations=lambda context: built.append(SentenceSimilarity(context)) or built[-1:])
+    app = replace(APP, evaluations=(EvaluationKind(lambda context: built.append(SentenceSimilarity(context))
+                                                   or built[-1]),))
     dump = tmp_path / "run"
     train(app, load_config(app.args_cls, tiny_argv(corpus, dump, steps=7) + ["validation.every=0"]))
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lingua.app import AppModel
+from lingua.app import AppModel, MaskedLMHead
 from lingua.args import require
 from lingua.model.flops import encoder_flops_per_token, output_head_flops
-from lingua.model.masking import MaskedLMHead, gather_tokens, masked_positions
+from lingua.model.masking import gather_tokens, masked_positions
 from lingua.model.transformer import Encoder, TransformerArgs, default_positions
 
 
@@ -26,6 +26,8 @@ class BertArgs:
 
 
 class Bert(AppModel):
+    masked_lm = MaskedLMHead("encoder", "BERT's masked-LM head")
+
     def __init__(self, args: BertArgs, vocab_size: int, mask_id: int):
         super().__init__()
         self.args, self.mask_id = args, mask_id
@@ -49,9 +51,6 @@ class Bert(AppModel):
     def head_flops_per_token_view(self, seq_len: int) -> float:
         return output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings) * \
             self.args.mask_ratio
-
-    def masked_lm_head(self) -> MaskedLMHead:
-        return MaskedLMHead("encoder", None, self.encoder.output_bias)
 
 
 def build_bert(args: BertArgs, tokenizer) -> Bert:

@@ -22,10 +22,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from lingua.app import AppModel
+from lingua.app import AppModel, MaskedLMHead
 from lingua.args import UserError, at_least, require
 from lingua.model.flops import encoder_flops_per_token, non_embedding_params, output_head_flops
-from lingua.model.masking import MaskedLMHead, num_masked, random_positions
+from lingua.model.masking import num_masked, random_positions
 from lingua.model.transformer import (
     AttnMask,
     CrossAttentionBlock,
@@ -140,6 +140,8 @@ def view_ids(lengths: tuple[int, int], device) -> torch.Tensor:
 
 
 class CrossBert(AppModel):
+    masked_lm = MaskedLMHead("cross_attention", "CrossBERT's predictor", network="predictor")
+
     def __init__(self, args: CrossBertArgs, vocab_size: int):
         super().__init__()
         self.args = args
@@ -195,9 +197,6 @@ class CrossBert(AppModel):
         """With CMS every token is predicted once per two token-views; without, the masked fraction."""
         predicted = 0.5 if self.args.cms else self.args.mask_ratio
         return output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings) * predicted
-
-    def masked_lm_head(self) -> MaskedLMHead:
-        return MaskedLMHead("predictor", self.predictor, self.encoder.output_bias)
 
     def init_weights(self) -> None:
         super().init_weights()

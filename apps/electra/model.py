@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lingua.app import AppModel
+from lingua.app import AppModel, MaskedLMHead
 from lingua.args import at_least, require
 from lingua.model.flops import encoder_flops_per_token, output_head_flops
-from lingua.model.masking import MaskedLMHead, gather_tokens, masked_lm_loss, masked_positions
+from lingua.model.masking import gather_tokens, masked_lm_loss, masked_positions
 from lingua.model.transformer import (
     Encoder,
     RMSNorm,
@@ -101,6 +101,8 @@ def corrupt(tokens: torch.Tensor, mask_idx: torch.Tensor, sampled: torch.Tensor)
 
 class Electra(AppModel):
     backbone_name = "discriminator"  # what evaluation reads, on the uncorrupted sequence
+    masked_lm = MaskedLMHead("self_attention", "ELECTRA's generator", network="generator",
+                             output_bias=False)  # the generator's tied head has no bias
 
     def __init__(self, args: ElectraArgs, vocab_size: int, mask_id: int):
         super().__init__()
@@ -151,9 +153,6 @@ class Electra(AppModel):
         head = output_head_flops(self.args.encoder.dim, vocab) * self.args.mask_ratio
         return (encoder_flops_per_token(self.args.encoder, seq_len)
                 + encoder_flops_per_token(self.args.generator_transformer(), seq_len) + head)
-
-    def masked_lm_head(self) -> MaskedLMHead:
-        return MaskedLMHead("generator", self.generator, None)  # its tied head has no bias
 
     def head_flops_per_token_view(self, seq_len: int) -> float:
         """The RTD head on every token (the generator's head is already in `flops_per_token_view`)."""

@@ -25,13 +25,13 @@ from lingua.app import DataPipeline
 from lingua.args import UserError, at_least, require
 from lingua.checkpoint.store import Checkpoint
 from lingua.distributed import Launch, all_reduce
-from lingua.eval.glue import task_scores
+from lingua.eval.glue import GlueEvalArgs, task_scores
 from lingua.parallel import autocast
 from lingua.train import App, TrainArgs, main
 from lingua.training.optim import OptimArgs
 from lingua.training.pretrained import adopt_pretrained, load_pretrained
 from lingua.training.resume import Start
-from lingua.training.validation import ValidationArgs
+from lingua.training.validation import GLUE_PROBES, ValidationArgs
 
 GLUE = DataPipeline(GlueLoader, load_dev_rows, repartition_position, row_shape, check_splits)
 FINETUNE = "apps.finetune.train"
@@ -46,6 +46,7 @@ def protocol_optimizer() -> OptimArgs:
 class FinetuneTrainArgs(TrainArgs):
     data: GlueDataArgs = field(default_factory=GlueDataArgs)
     model: FinetuneArgs = field(default_factory=FinetuneArgs)
+    eval: GlueEvalArgs = field(default_factory=GlueEvalArgs)  # frozen GLUE probes every eval.every steps (0: off)
     optim: OptimArgs = field(default_factory=protocol_optimizer)
     epochs: int = 3  # passes over the train split; the dev set is scored after each (steps follow from it)
     warmup_ratio: float = 0.06  # the share of the steps with a linear warm-up (then optim.decay)
@@ -121,7 +122,8 @@ def dev_logits(model, rows: torch.Tensor, batch_size: int, device: torch.device,
 
 
 APP = App(name=FINETUNE, args_cls=FinetuneTrainArgs, build_model=build_finetune, data=GLUE,
-          configure=configure, load_init=load_pretrained, validate=validate_dev)
+          configure=configure, load_init=load_pretrained, validate=validate_dev,
+          evaluations=(GLUE_PROBES,))
 
 if __name__ == "__main__":
     main(APP)

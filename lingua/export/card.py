@@ -8,6 +8,7 @@ from the files that the libraries load (lingua/export/hf_folder.py).
 import logging
 from pathlib import Path
 
+from lingua.app import MaskedLMHead
 from lingua.errors import UserError
 from lingua.eval.report import format_table
 from lingua.export.embedder import Embedder
@@ -83,7 +84,16 @@ def heads_usage(config: dict) -> str:
     return "\n".join([*lines, "```", ""])
 
 
-def heads_row(config: dict) -> str:
+READS = {  # what the tied output head reads, for each MaskedLMHead.reads
+    "encoder": "the output head tied to the token embedding, on the final states",
+    "cross_attention": "{layers} cross-attention block(s) reading the tokens other than `<mask>`, then the output head "
+                       "tied to the token embedding",
+    "self_attention": "{layers} self-attention block(s) over the input's token embeddings, then the output head tied "
+                      "to the token embedding",
+}
+
+
+def heads_row(config: dict, masked_lm: MaskedLMHead | None) -> str:
     vector = f"{CLASSIFIER_VECTORS[config['classifier_pooling']]}, not normalised"
     if "id2label" in config:
         labels = ("a regression score" if config["problem_type"] == "regression" else
@@ -91,18 +101,14 @@ def heads_row(config: dict) -> str:
         classifier = f"the fine-tuned linear head ({labels}) on {vector}"
     else:
         classifier = f"a fresh linear head on {vector}"
-    masked_lm = {
-        "none": "none (this run predicts no token)",
-        "encoder": "the output head tied to the token embedding, on the final states",
-        "predictor": f"CrossBERT's predictor ({config.get('mlm_num_layers')} cross-attention block(s)) reading the "
-                     "tokens other than `<mask>`, then the tied output head",
-        "generator": f"ELECTRA's generator ({config.get('mlm_num_layers')} block(s)), then the tied output head",
-    }[config["masked_lm"]]
+    predicts = ("none (this run predicts no token)" if masked_lm is None else
+                f"{masked_lm.description}: {READS[masked_lm.reads].format(layers=config.get('mlm_num_layers'))}")
     return f"| heads | sequence classification: {classifier}; token classification: a fresh linear head; " \
-           f"masked LM: {masked_lm} |"
+           f"masked LM: {predicts} |"
 
 
-def model_card(checkpoint: Path, params: dict, embedder: Embedder, pooler, config: dict) -> str:
+def model_card(checkpoint: Path, params: dict, embedder: Embedder, pooler, masked_lm: MaskedLMHead | None,
+               config: dict) -> str:
     run = RunFolder.of(checkpoint)
     probes = probe_tables(run) or ["No `glue_eval/*/results.json` next to the run."]
     return "\n".join([
@@ -112,11 +118,12 @@ def model_card(checkpoint: Path, params: dict, embedder: Embedder, pooler, confi
         f"# {embedder.name}", "",
         f"A text encoder trained with Lingua (app `{params['app']}`), exported from `{checkpoint}` by "
         "`python -m lingua.export`.", "",
-        "| | |", "|---|---|", *card_rows(run, params["config"], embedder, pooler, config), "",
+        "| | |", "|---|---|", *card_rows(run, params["config"], embedder, pooler, masked_lm, config), "",
         "## Frozen GLUE probes", "", *probes, "", USAGE, heads_usage(config)])
 
 
-def card_rows(run: RunFolder, train: dict, embedder: Embedder, pooler, config: dict) -> list[str]:
+def card_rows(run: RunFolder, train: dict, embedder: Embedder, pooler, masked_lm: MaskedLMHead | None,
+              config: dict) -> list[str]:
     """The model card's table: shape, size, vocabulary, input, training, pooling and heads."""
     encoder_params = sum(p.numel() for p in embedder.model.backbone.parameters())
     pooler_params = sum(p.numel() for p in pooler.parameters()) if pooler is not None else 0
@@ -143,5 +150,5 @@ def card_rows(run: RunFolder, train: dict, embedder: Embedder, pooler, config: d
         f"{train['data'].get('batch_size')} per process |",
         *([f"| started from | `{train['init_from']}` |"] if train.get("init_from") else []),
         f"| pooling | {pooling} |",
-        heads_row(config),
+        heads_row(config, masked_lm),
     ]

@@ -16,11 +16,11 @@ code from the folder: `AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=F
   gives its head, its `args.pooling` and its GLUE task's label names; any other run a fresh head (`num_labels=N`
   when loading) on its pooler's vector, or on the mean without one;
 - `AutoModelForTokenClassification`: a fresh linear head on every token's state;
-- `AutoModelForMaskedLM` (and the fill-mask pipeline), only for a model with `masked_lm_head()` (BERT, CrossBERT,
-  ELECTRA: lingua.model.masking.MaskedLMHead): its predictions at the `<mask>` tokens. The tokenizer of such an export
-  parses the special tokens written in a text (`<mask>` is how a text asks for a prediction); sentence-transformers,
-  and `tokenizer(text, split_special_tokens=True)`, read them as text, as Lingua does and as every other export's
-  tokenizer does.
+- `AutoModelForMaskedLM` (and the fill-mask pipeline), only for a model that declares a masked-LM head (BERT,
+  CrossBERT, ELECTRA: `AppModel.masked_lm`, a lingua.app.MaskedLMHead): its predictions at the `<mask>` tokens. The
+  tokenizer of such an export parses the special tokens written in a text (`<mask>` is how a text asks for a
+  prediction); sentence-transformers, and `tokenizer(text, split_special_tokens=True)`, read them as text, as Lingua
+  does and as every other export's tokenizer does.
 
 Needs `transformers` (its tiktoken converter builds the tokenizer). FOLDER is new, empty or an earlier export (its
 `lingua_export.json` names the files it holds), with nothing else in it: any other folder, or an export holding files
@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from lingua.app import MaskedLMHead
 from lingua.args import UserError, command_line, load_config
 from lingua.checkpoint.store import Checkpoint
 from lingua.eval.glue_data import TASKS
@@ -46,7 +47,6 @@ from lingua.export.tokenizer import hf_tokenizer, tokenizer_config
 from lingua.files.safe import atomic_write, fsync_dir
 from lingua.files.written_folder import marker_text, not_written, remove
 from lingua.metrics import setup_logging
-from lingua.model.masking import MaskedLMHead
 from lingua.model.transformer import ffn_hidden_dim, head_dim_of
 
 TEMPLATE_DIR = Path(__file__).parent / "template"
@@ -82,7 +82,7 @@ def export(args: ExportArgs) -> Path:
     head = getattr(model, "head", None)
     if head is not None and model.args.pooling == "attention" and pooler is None:
         raise UserError("pooling=mean would leave out the attention pooler that this run's classifier reads")
-    masked_lm = model.masked_lm_head()
+    masked_lm = model.masked_lm
     config = hf_config(embedder, pooler, masked_lm, params["config"])
     files = {
         "config.json": json_text(config),
@@ -90,7 +90,7 @@ def export(args: ExportArgs) -> Path:
         "tokenizer.json": hf_tokenizer(embedder, params["config"]["data"]["tokenizer"]["name"]).to_str(),
         "tokenizer_config.json": json_text(tokenizer_config(embedder, parse_special_tokens=masked_lm is not None)),
         **sentence_transformers_files(embedder.max_len),
-        "README.md": model_card(checkpoint.path, params, embedder, pooler, config),
+        "README.md": model_card(checkpoint.path, params, embedder, pooler, masked_lm, config),
         "model.safetensors": safetensors_bytes(hf_state_dict(model, pooler, masked_lm)),
     }
     files[MARKER] = marker_text(files, MARKER, exported_by="python -m lingua.export", ckpt=str(checkpoint.path))
@@ -187,7 +187,7 @@ def hf_config(embedder: Embedder, pooler, masked_lm: MaskedLMHead | None, train:
         "pooling": "mean" if pooler is None else "attention",
         **shape_fields("pooler_", pooler),
         **classifier_fields(model, pooler, train),
-        **masked_lm_fields(masked_lm),
+        **masked_lm_fields(model, masked_lm),
         "initializer_range": encoder.init_std,
         "bos_token_id": tokenizer.bos_id,
         "eos_token_id": tokenizer.eos_id,
@@ -197,7 +197,7 @@ def hf_config(embedder: Embedder, pooler, masked_lm: MaskedLMHead | None, train:
 
 
 def shape_fields(prefix: str, network) -> dict:
-    """The depth and heads of a network beside the encoder (the pooler, the predictor or the generator); zeros for
+    """The depth and heads of a network beside the encoder (the pooler, a masked-LM head's network); zeros for
     none."""
     args = None if network is None else network.args
     return {f"{prefix}num_layers": args.n_layers if args else 0,
@@ -219,28 +219,35 @@ def classifier_fields(model: torch.nn.Module, pooler, train: dict) -> dict:
             "id2label": dict(enumerate(names)), "label2id": {name: i for i, name in enumerate(names)}}
 
 
-def masked_lm_fields(masked_lm: MaskedLMHead | None) -> dict:
-    """What LinguaForMaskedLM reads: the network that predicts the masked tokens, and the tied head's bias."""
+def masked_lm_parts(model: torch.nn.Module, masked_lm: MaskedLMHead) -> tuple:
+    """(network, output bias) of the model's declared masked-LM head, each None where it has none."""
+    network = getattr(model, masked_lm.network) if masked_lm.network else None
+    return network, model.backbone.output_bias if masked_lm.output_bias else None
+
+
+def masked_lm_fields(model: torch.nn.Module, masked_lm: MaskedLMHead | None) -> dict:
+    """What LinguaForMaskedLM reads: the states the tied head reads, the network that computes them, and the tied
+    head's bias."""
     if masked_lm is None:
         return {"masked_lm": "none"}
-    network = masked_lm.network
+    network, output_bias = masked_lm_parts(model, masked_lm)
     shape = {} if network is None else {
         **shape_fields("mlm_", network), "mlm_hidden_size": network.args.dim,
         "mlm_intermediate_size": ffn_hidden_dim(network.args.dim, network.args.ffn_multiple_of),
         "mlm_rope_theta": network.args.rope_theta}
-    return {"masked_lm": masked_lm.reader, "mlm_output_bias": masked_lm.output_bias is not None, **shape}
+    return {"masked_lm": masked_lm.reads, "mlm_output_bias": output_bias is not None, **shape}
 
 
 def hf_state_dict(model: torch.nn.Module, pooler, masked_lm: MaskedLMHead | None) -> dict[str, torch.Tensor]:
-    """modeling_lingua keeps the encoder's parameter names; the pooler's, the predictor's or generator's and the
-    classifier's are under `pooler.`, `predictor.` or `generator.` and `classifier.`; the tied head's bias is
-    `output_bias`, kept when the masked-LM head reads it."""
+    """modeling_lingua keeps the encoder's parameter names; the pooler's, the masked-LM head's network's and the
+    classifier's are under `pooler.`, `mlm_network.` and `classifier.`; the tied head's bias is `output_bias`, kept
+    when the masked-LM head reads it."""
     state = {name: value for name, value in model.backbone.state_dict().items() if name != "output_bias"}
     modules = {"pooler": pooler, "classifier": getattr(model, "head", None)}
     if masked_lm is not None:
-        modules[masked_lm.reader] = masked_lm.network  # none for the encoder's own states
-        if masked_lm.output_bias is not None:
-            state["output_bias"] = masked_lm.output_bias
+        modules["mlm_network"], output_bias = masked_lm_parts(model, masked_lm)
+        if output_bias is not None:
+            state["output_bias"] = output_bias
     for prefix, module in modules.items():
         if module is not None:
             state |= {f"{prefix}.{name}": value for name, value in module.state_dict().items()}

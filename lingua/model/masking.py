@@ -4,11 +4,8 @@ A row of S tokens gets exactly round(ratio * S) masked positions, picked by a ra
 noise drawn from the loop's generator), so no tensor shape depends on the draw and torch.compile sees static shapes.
 """
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from lingua.errors import UserError
 
@@ -95,15 +92,3 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_bias = None if grad_bias is None else (grad_bias * scale).to(ctx.weight_dtype)
         grad_weight = (grad_weight * scale).to(ctx.weight_dtype)
         return grad_hidden * scale.to(grad_hidden.dtype), grad_weight, grad_bias, None, None, None
-
-
-class MaskedLMHead(NamedTuple):
-    """How a model predicts a `<mask>`ed token outside training (what the export's AutoModelForMaskedLM computes,
-    lingua/export/hf_folder.py): the output head tied to the backbone's token embedding, plus `output_bias`, on the
-    states of `reader`: "encoder", the backbone's over the masked row (BERT); "predictor", a cross-attention predictor's
-    that reads the backbone's states of the other tokens (CrossBERT); "generator", a generator's over the backbone's
-    embeddings of the masked row (ELECTRA). An app's model gives it with a method `masked_lm_head()`."""
-
-    reader: str
-    network: nn.Module | None  # the predictor or the generator, its shapes in `.args`
-    output_bias: torch.Tensor | None

@@ -1,7 +1,7 @@
 """What the training loop measures besides the training loss: evaluations, each at its interval. The loop runs a list
 of them (`build_evaluations`): the validation (the loss on fixed held-out sequences, or an app's own, e.g. a
-fine-tuned model's dev-set scores), the frozen GLUE probes (the config's `eval` section) and whatever the app adds
-(`App.evaluations`)."""
+fine-tuned model's dev-set scores), then the kinds the app registers (`App.evaluations`), e.g. the frozen GLUE probes
+(`GLUE_PROBES`, read from the config's `eval` section)."""
 
 import functools
 import itertools
@@ -116,16 +116,23 @@ class EvalContext:
     guard: NonFiniteGuard  # stops the run on a non-finite score (`guard.stop`)
 
 
+@dataclass(frozen=True)
+class EvaluationKind:
+    """An evaluation an app registers (`App.evaluations`): `check(config, world_size)` refuses a bad config before the
+    run starts (a missing data folder fails then, not at the first evaluation); `build(context)` makes the run's
+    evaluation, or None when the config leaves it off."""
+
+    build: Callable[[EvalContext], Evaluation | None]
+    check: Callable[[Any, int], None] = lambda config, world_size: None
+
+
 def build_evaluations(app: App, context: EvalContext) -> list[Evaluation]:
-    """The evaluations the loop runs, in order: the validation (`validation.every`), the GLUE probes (`eval.every`),
-    then the app's own (`App.evaluations`). The validation's rows are read here, at the start."""
+    """The evaluations the loop runs, in order: the validation (`validation.every`), then those of the kinds the app
+    registers (`App.evaluations`). The validation's rows are read here, at the start."""
     config, evaluations = context.config, []
     if config.validation.every > 0:
         evaluations.append(Validation(app, context))
-    if config.eval.every > 0:
-        evaluations.append(GlueProbes(context.model, context.tokenizer, config.eval, config.data.seq_len,
-                                      context.device))
-    evaluations += app.evaluations(context) if app.evaluations is not None else []
+    evaluations += [evaluation for kind in app.evaluations if (evaluation := kind.build(context)) is not None]
     keeping = [evaluation.name for evaluation in evaluations if evaluation.keep_best]
     if len(keeping) > 1:
         raise UserError(f"one evaluation keeps the best weights (best.pt), not {len(keeping)}: {', '.join(keeping)}")
@@ -133,12 +140,11 @@ def build_evaluations(app: App, context: EvalContext) -> list[Evaluation]:
 
 
 def check_evaluations(app: App, config, world_size: int) -> None:
-    """What would stop an evaluation later, checked before the run starts (a bad GLUE path fails now, not at the
-    first evaluation)."""
+    """What would stop an evaluation later, checked before the run starts."""
     if config.validation.every > 0 and app.validate is None:
         check_validation_split(config.validation, world_size)
-    if config.eval.every > 0:
-        check_args(config.eval)
+    for kind in app.evaluations:
+        kind.check(config, world_size)
 
 
 class Validation:
@@ -179,8 +185,28 @@ class GlueProbes:
         self.model, self.tokenizer, self.device, self.report = model, tokenizer, device, SkippedLinesReport()
         self.args = replace(args, max_len=probe_length(args, seq_len, model.backbone.args.max_seqlen))
 
+    @classmethod
+    def of_run(cls, context: EvalContext) -> "GlueProbes | None":
+        """The probes of the run's `eval` section; None when `eval.every` is 0."""
+        config = context.config
+        if config.eval.every == 0:
+            return None
+        return cls(context.model, context.tokenizer, config.eval, config.data.seq_len, context.device)
+
     def due(self, step: int) -> bool:
         return step % self.args.every == 0
 
     def run(self, step: int) -> dict[str, float]:
         return run_glue_probes(self.model, self.tokenizer, self.args, self.device, self.report)
+
+
+    @staticmethod
+    def check(config, world_size: int) -> None:
+        """A bad GLUE setting (e.g. a missing data folder) of probes that will run."""
+        if config.eval.every > 0:
+            check_args(config.eval)
+
+
+# The frozen GLUE probes during training: an app registers them (App.evaluations) beside a config section
+# `eval: GlueEvalArgs` of its TrainArgs.
+GLUE_PROBES = EvaluationKind(GlueProbes.of_run, GlueProbes.check)

@@ -7,7 +7,7 @@ from transformers import PretrainedConfig
 
 POOLINGS = ("attention", "mean")
 CLASSIFIER_POOLINGS = ("mean", "first", "attention")
-MASKED_LMS = ("none", "encoder", "predictor", "generator")
+MASKED_LMS = ("none", "encoder", "cross_attention", "self_attention")
 
 
 class LinguaConfig(PretrainedConfig):
@@ -44,10 +44,11 @@ class LinguaConfig(PretrainedConfig):
         self.pooler_head_dim = pooler_head_dim
         self.classifier_pooling = classifier_pooling  # mean of the real tokens | first token | attention pooler,
         # none of them L2-normalised
-        self.masked_lm = masked_lm  # none | encoder: the tied head on the encoder's states (BERT) | predictor:
-        # CrossBERT's, reading the tokens other than <mask> | generator: ELECTRA's, over the masked input
+        self.masked_lm = masked_lm  # what the tied head reads: none (no head) | encoder: the encoder's states |
+        # cross_attention: a network's mask queries reading the encoder's states of the tokens other than <mask> |
+        # self_attention: a network's self-attention blocks over the input's token embeddings
         self.mlm_output_bias = mlm_output_bias  # the tied head adds a learned per-token bias
-        self.mlm_num_layers = mlm_num_layers  # the predictor's or generator's blocks
+        self.mlm_num_layers = mlm_num_layers  # the blocks of the network that masked_lm names
         self.mlm_hidden_size = mlm_hidden_size
         self.mlm_num_attention_heads = mlm_num_attention_heads
         self.mlm_head_dim = mlm_head_dim

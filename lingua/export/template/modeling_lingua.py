@@ -13,12 +13,13 @@ repository. It computes what Lingua computes, operation for operation:
   the float32 mean of the real tokens' states, the first token's (`<s>`), or the attention pooler's;
 - `LinguaForTokenClassification`: a linear head on every token's state;
 - `LinguaForMaskedLM` (`masked_lm` other than "none"): the output head tied to the token embedding (plus the
-  run's output bias, `mlm_output_bias`) on the states of what predicts a `<mask>` in Lingua. `encoder` (BERT): the
-  encoder's final states. `predictor` (CrossBERT): the encoder reads the real tokens other than `<mask>` only (the
-  `<mask>` tokens never enter its attention), and the predictor puts its learned mask embedding at every position,
-  which reads those states through cross-attention only, RoPE at each query's and key's position: at a `<mask>`
-  this is CrossBERT's prediction; at another position, its prediction of that token from the same tokens, itself
-  included. `generator` (ELECTRA): the generator's blocks over the encoder's token embeddings of the input.
+  run's output bias, `mlm_output_bias`) on the states of what predicts a `<mask>` in Lingua. `encoder` (e.g. BERT):
+  the encoder's final states. `cross_attention` (e.g. CrossBERT's predictor): the encoder reads the real tokens other
+  than `<mask>` only (the `<mask>` tokens never enter its attention), and the network puts its learned mask embedding
+  at every position, which reads those states through cross-attention only, RoPE at each query's and key's position:
+  at a `<mask>` this is the model's prediction; at another position, its prediction of that token from the same
+  tokens, itself included. `self_attention` (e.g. ELECTRA's generator): the network's self-attention blocks over the
+  encoder's token embeddings of the input.
 """
 
 import math
@@ -138,7 +139,7 @@ def blocks(config: LinguaConfig, n_layers: int, dim: int, n_heads: int, head_dim
 
 
 def mlm_blocks(config: LinguaConfig) -> nn.ModuleList:
-    """The predictor's or the generator's blocks."""
+    """The blocks of the masked-LM head's network."""
     return blocks(config, config.mlm_num_layers, config.mlm_hidden_size, config.mlm_num_attention_heads,
                   config.mlm_head_dim, config.mlm_intermediate_size)
 
@@ -163,9 +164,10 @@ class LinguaAttentionPooler(nn.Module):
         return self.norm(h)[:, 0].float()
 
 
-class LinguaPredictor(nn.Module):
-    """CrossBERT's predictor: its mask embedding at every position reads the encoder's states of the visible tokens
-    through cross-attention blocks, then a final norm; projections in and out when its width is not the encoder's."""
+class LinguaCrossAttentionNetwork(nn.Module):
+    """`masked_lm="cross_attention"`: its mask embedding at every position reads the encoder's states of the visible
+    tokens through cross-attention blocks, then a final norm; projections in and out when its width is not the
+    encoder's."""
 
     def __init__(self, config: LinguaConfig):
         super().__init__()
@@ -189,8 +191,8 @@ class LinguaPredictor(nn.Module):
         return self.output_proj(self.norm(h))
 
 
-class LinguaGenerator(nn.Module):
-    """ELECTRA's generator: self-attention blocks and a final norm over the encoder's token embeddings."""
+class LinguaSelfAttentionNetwork(nn.Module):
+    """`masked_lm="self_attention"`: self-attention blocks and a final norm over the encoder's token embeddings."""
 
     def __init__(self, config: LinguaConfig):
         super().__init__()
@@ -211,14 +213,14 @@ class LinguaPreTrainedModel(PreTrainedModel):
     base_model_prefix = "lingua"
     _no_split_modules = ["LinguaBlock"]
     # one model.safetensors holds every head's weights: each class takes its own
-    _keys_to_ignore_on_load_unexpected = [r"^classifier\.", r"^token_classifier\.", r"^predictor\.",
-                                          r"^generator\.", r"^output_bias$"]
+    _keys_to_ignore_on_load_unexpected = [r"^classifier\.", r"^token_classifier\.", r"^mlm_network\.",
+                                          r"^output_bias$"]
 
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, LinguaAttentionPooler):
             nn.init.normal_(module.query, std=self.config.initializer_range)
-        elif isinstance(module, LinguaPredictor):
+        elif isinstance(module, LinguaCrossAttentionNetwork):
             nn.init.normal_(module.mask_embedding, std=self.config.initializer_range)
         elif isinstance(module, LinguaForMaskedLM) and module.output_bias is not None:
             nn.init.zeros_(module.output_bias)
@@ -333,8 +335,8 @@ class LinguaForMaskedLM(LinguaPreTrainedModel):
             raise ValueError("this export has no masked-LM head: its run (contrastive or fine-tuning) predicts no "
                              "token; AutoModel gives its states")
         self.lingua = LinguaModel(config)
-        self.predictor = LinguaPredictor(config) if config.masked_lm == "predictor" else None
-        self.generator = LinguaGenerator(config) if config.masked_lm == "generator" else None
+        networks = {"cross_attention": LinguaCrossAttentionNetwork, "self_attention": LinguaSelfAttentionNetwork}
+        self.mlm_network = networks[config.masked_lm](config) if config.masked_lm in networks else None
         self.output_bias = nn.Parameter(torch.zeros(config.vocab_size)) if config.mlm_output_bias else None
         self.post_init()
 
@@ -347,12 +349,12 @@ class LinguaForMaskedLM(LinguaPreTrainedModel):
 
     def predicting_states(self, input_ids: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
         """[B, S, hidden_size]: the states the tied head reads."""
-        if self.predictor is not None:
+        if self.config.masked_lm == "cross_attention":
             real = torch.ones_like(input_ids, dtype=torch.bool) if real is None else real
             visible = real & (input_ids != self.config.mask_token_id)
             # groups: the visible tokens (0), the <mask> tokens (1) and the padding (2) attend within themselves
             hidden = self.lingua.encode(input_ids, (~visible).int() + (~real).int())
-            return self.predictor(hidden, visible)
-        if self.generator is not None:
-            return self.generator(self.lingua.embed(input_ids), padding_groups(real))
+            return self.mlm_network(hidden, visible)
+        if self.config.masked_lm == "self_attention":
+            return self.mlm_network(self.lingua.embed(input_ids), padding_groups(real))
         return self.lingua.encode(input_ids, padding_groups(real))
