@@ -18,8 +18,9 @@ apps: the frozen GLUE probes, with an `eval` section in their TrainArgs; an STS 
 tokens declares how on its model (`AppModel.masked_lm`), which the export follows.
 `configure` decides and reads no file: the loop reads, once, what the run starts from (lingua/training/resume.py
 `Start`: init_from opened, the resumed run's config, the data pipeline's `check`). The loop builds the model on the
-meta device, parallelises it, materialises it and calls `init_weights`; it owns the data, the optimizer, the schedule, checkpoints, logging and
-the random generator; the model owns its masking, its loss, its FLOPs and its shape. No app imports another: what
+meta device, parallelises it, materialises it and calls `init_weights`; it owns the data, the optimizer, the
+schedule, checkpoints, logging and the random generator; the model owns its masking, its loss, its FLOPs and its
+shape. No app imports another: what
 several apps share lives in `lingua/` (e.g. `lingua/model/masking.py`).
 """
 
