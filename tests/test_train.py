@@ -171,6 +171,8 @@ def test_the_glue_probes_are_an_evaluation_the_app_registers(corpus, tmp_path):
 
     with pytest.raises(UserError, match="unknown config key 'eval'"):
         load_config(UnprobedArgs, ["dump_dir=x", "eval.every=2"])
+    with pytest.raises(UserError, match="UnprobedArgs has no `eval: GlueEvalArgs` section"):
+        GLUE_PROBES.check(UnprobedArgs(dump_dir="x"), 1)  # an app that registers the probes without their section
 
 
 class SentenceSimilarity:

@@ -199,10 +199,13 @@ class GlueProbes:
     def run(self, step: int) -> dict[str, float]:
         return run_glue_probes(self.model, self.tokenizer, self.args, self.device, self.report)
 
-
     @staticmethod
     def check(config, world_size: int) -> None:
-        """A bad GLUE setting (e.g. a missing data folder) of probes that will run."""
+        """A bad GLUE setting (e.g. a missing data folder) of probes that will run; an app that registers them
+        without their config section."""
+        if not isinstance(getattr(config, "eval", None), GlueEvalArgs):
+            raise UserError(f"{type(config).__name__} has no `eval: GlueEvalArgs` section, which the GLUE probes "
+                            "it registers (App.evaluations) read")
         if config.eval.every > 0:
             check_args(config.eval)
 
