@@ -25,7 +25,7 @@ from torch import nn
 from lingua.app import AppModel
 from lingua.args import UserError, at_least, require
 from lingua.model.flops import encoder_flops_per_token, non_embedding_params, output_head_flops
-from lingua.model.masking import MaskedLMHead, num_masked, random_positions
+from lingua.model.masking import MaskedLMHead, check_mask_ratio, num_masked, random_positions
 from lingua.model.transformer import (
     AttnMask,
     CrossAttentionBlock,
@@ -72,7 +72,7 @@ class CrossBertArgs:
     cms_attention: str = "segments"  # segments: each view attends on its own | mask: one dense view mask per row
 
     def __post_init__(self):
-        require(0 < self.mask_ratio < 1, "mask_ratio", f"must be strictly between 0 and 1, got {self.mask_ratio}")
+        check_mask_ratio(self.mask_ratio)
         require(self.cms_attention in CMS_ATTENTION, "cms_attention",
                 f"must be one of {', '.join(CMS_ATTENTION)}, got '{self.cms_attention}'")
         check_sub_network("predictor", self.predictor_transformer)
