@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from lingua.app import load_model
 from lingua.args import UserError, at_least, command_line, load_config
 from lingua.data.loader import load_validation
-from lingua.model.masking import num_masked
 
 OFFSETS = (-3, -2, -1, 1, 2, 3)
 FAR = 8
@@ -81,11 +80,10 @@ def mean_cosine(h: torch.Tensor) -> float:
 def inspect(model, tokens: torch.Tensor, seed: int) -> dict:
     """Collapse measures and per-head attention profiles of view A of each row of tokens [B, S]."""
     batch = model.make_batch(tokens, torch.Generator().manual_seed(seed))
-    seq_len = tokens.shape[1]
-    n_masked = num_masked(model.args.mask_ratio, seq_len)
+    view = model.args.layout(tokens.shape[1]).views[0]
     encoder_mask, _ = model.view_masks(*batch["inputs"].shape) if model.args.cms else (None, None)
-    context = model.encoder(batch["inputs"], batch["positions"], encoder_mask)[:, :seq_len - n_masked]
-    keys, queries = batch["positions"][:, :seq_len - n_masked], batch["query_positions"][:, :n_masked]
+    context = model.encoder(batch["inputs"], batch["positions"], encoder_mask)[:, :view.visible]
+    keys, queries = batch["positions"][:, :view.visible], batch["query_positions"][:, :view.masked]
     predictor = model.predictor
     h = predictor.mask_embedding.expand(*queries.shape, -1)
     context_in, q_rope, kv_rope = predictor.context_proj(context), predictor.rope(queries), predictor.rope(keys)
@@ -103,17 +101,17 @@ def inspect(model, tokens: torch.Tensor, seed: int) -> dict:
         branches += [{"name": f"{index}.{name}", **branch_sizes(out)} for name, out in added.items()]
     outputs = predictor.output_proj(predictor.norm(h))
     predictions = model.encoder.logits(outputs).argmax(-1)
-    targets = batch["targets"][:, :n_masked]
+    targets = batch["targets"][:, :view.masked]
     return {
         "accuracy": (predictions == targets).float().mean().item(),
         "top_predictions": torch.bincount(predictions.flatten(), minlength=3).topk(3),
         "predictions": predictions.numel(),
-        "cosine": {"embeddings": mean_cosine(model.encoder.embed(batch["inputs"][:, :seq_len - n_masked])),
+        "cosine": {"embeddings": mean_cosine(model.encoder.embed(batch["inputs"][:, :view.visible])),
                    "encoder": mean_cosine(context), "predictor": mean_cosine(outputs)},
         "heads": heads,
         "branches": branches,
         "mask_embedding": rms(predictor.mask_embedding),
-        "uniform": 1 / (seq_len - n_masked),
+        "uniform": 1 / view.visible,
     }
 
 
