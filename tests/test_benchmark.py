@@ -42,7 +42,7 @@ def test_debug_preset_figures_are_consistent(tmp_path, capsys):
     # FLOPs: eq. 7 for BERT, eq. 8 for CrossBERT, plus the tied head 6 d V per predicted token.
     f_bert = encoder_flops_per_token(ENCODER, S)
     cb = CrossBertArgs(encoder=ENCODER)
-    f_crossbert = crossbert_flops_per_token_view(ENCODER, cb.predictor_transformer(), 0.5, S, True)
+    f_crossbert = crossbert_flops_per_token_view(ENCODER, cb.predictor_transformer(), cb.layout(S))
     assert bert["flops_per_step_paper"] == pytest.approx(f_bert * B * S)
     assert crossbert["flops_per_step_paper"] == pytest.approx(f_crossbert * 2 * B * S)
     head = 6 * ENCODER.dim * V

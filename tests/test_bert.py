@@ -1,10 +1,8 @@
 """BERT's static-shape masking and masked-LM loss."""
 
-import pytest
 import torch
 
 from apps.bert.model import Bert, BertArgs
-from lingua.args import UserError
 from lingua.model.transformer import TransformerArgs
 
 MASK_ID = 99
@@ -53,8 +51,3 @@ def test_loss_is_the_cross_entropy_at_the_masked_positions():
     assert torch.allclose(loss, expected, atol=1e-6)
     assert stats["accuracy"] == (picked.argmax(-1) == batch["targets"]).float().mean()
 
-
-@pytest.mark.parametrize("ratio", [0.0, 1.0, 1.5])
-def test_mask_ratio_must_be_a_fraction(ratio):
-    with pytest.raises(UserError, match="mask_ratio"):
-        BertArgs(mask_ratio=ratio)

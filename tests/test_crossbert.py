@@ -14,7 +14,7 @@ from apps.crossbert.train import APP
 from lingua.app import load_model
 from lingua.args import UserError, load_config
 from lingua.model.flops import count_params, encoder_flops_per_token, non_embedding_params
-from lingua.model.transformer import TransformerArgs
+from lingua.model.transformer import Segments, TransformerArgs
 from lingua.train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,10 +98,45 @@ def test_cms_packs_two_complementary_views_and_predicts_every_token_once(ratio):
 
 
 def test_split_rejects_empty_views():
-    with pytest.raises(UserError, match="mask_ratio"):
+    with pytest.raises(UserError, match="mask_ratio 0.99 masks 24 of 24 tokens per sequence"):
         split(build(0.99), tokens())
-    with pytest.raises(UserError, match="mask_ratio"):
-        CrossBertArgs(mask_ratio=1.0)
+
+
+# What make_batch, view_masks and the FLOPs gave before the layout was one value, for TINY and VOCAB: (cms, mask_ratio,
+# seq_len) -> (encoder row length, predictor row length, the CMS segments: encoder's, predictor's, F_N, head FLOPs),
+# both per token-view.
+LAYOUTS = {
+    (False, 0.15, 24): (20, 4, None, None, 643430.4, 1440.0),
+    (False, 0.15, 37): (31, 6, None, None, 661152.0, 1440.0),
+    (False, 0.65, 24): (8, 16, None, None, 371558.4, 6240.0),
+    (False, 0.65, 37): (13, 24, None, None, 381792.0, 6240.0),
+    (True, 0.15, 24): (24, 24, (20, 4), (4, 20), 453120.0, 4800.0),
+    (True, 0.5, 37): (37, 37, (19, 18), (18, 19), 465600.0, 4800.0),
+    (True, 0.65, 24): (24, 24, (8, 16), (16, 8), 453120.0, 4800.0),
+    (True, 0.65, 37): (37, 37, (13, 24), (24, 13), 465600.0, 4800.0),
+}
+
+
+@pytest.mark.parametrize("cms, ratio, seq_len", sorted(LAYOUTS))
+def test_one_layout_gives_the_rows_the_view_masks_and_the_flops(cms, ratio, seq_len):
+    encoder_len, query_len, encoder_views, query_views, flops, head_flops = LAYOUTS[cms, ratio, seq_len]
+    model = build(ratio, cms)
+    layout = model.args.layout(seq_len)
+    assert len(layout.views) == model.views_per_sequence == (2 if cms else 1)
+    assert (sum(layout.encoder_lengths), sum(layout.query_lengths)) == (encoder_len, query_len)
+    batch = model.make_batch(torch.zeros(2, seq_len, dtype=torch.long), torch.Generator().manual_seed(0))
+    assert batch["inputs"].shape == batch["positions"].shape == (2, encoder_len)
+    assert batch["query_positions"].shape == batch["targets"].shape == (2, query_len)
+    assert model.flops_per_token_view(seq_len) == pytest.approx(flops, rel=1e-12)
+    assert model.head_flops_per_token_view(seq_len) == pytest.approx(head_flops, rel=1e-12)
+    if cms:
+        assert model.view_masks(2, seq_len) == (Segments(encoder_views, encoder_views),
+                                                Segments(query_views, encoder_views))
+        encoder_ids, query_ids = (view_ids(lengths, "cpu").expand(2, -1) for lengths in (encoder_views, query_views))
+        encoder_mask, predictor_mask = build(ratio, cms, cms_attention="mask").view_masks(2, seq_len)
+        for got, expected in ((encoder_mask.q_ids, encoder_ids), (encoder_mask.kv_ids, encoder_ids),
+                              (predictor_mask.q_ids, query_ids), (predictor_mask.kv_ids, encoder_ids)):
+            assert torch.equal(got, expected)
 
 
 def predictions(model, batch):

@@ -35,6 +35,23 @@ def test_attention_weights_are_those_the_predictor_uses():
     torch.testing.assert_close(rebuilt, expected, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cms", [True, False])
+def test_inspects_what_training_predicts_and_leaves_no_hook(cms):
+    args = CrossBertArgs(encoder=TransformerArgs(dim=32, n_layers=2, n_heads=2, max_seqlen=16),
+                         predictor=PredictorArgs(n_layers=2), cms=cms, mask_ratio=0.3)
+    model = build_model(build_crossbert, args, SimpleNamespace(vocab_size=40, mask_id=39), torch.device("cpu"), 0)
+    tokens = torch.randint(0, 39, (4, 16), generator=torch.Generator().manual_seed(0))
+    found = inspect(model, tokens, seed=1)
+    batch = model.make_batch(tokens, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        predictions = model.encoder.logits(model.predict(batch["inputs"], batch["positions"],
+                                                         batch["query_positions"])).argmax(-1)
+    view_a = args.layout(16).views[0].masked  # inspect reads view A, the first queries of each row
+    assert found["accuracy"] == (predictions == batch["targets"])[:, :view_a].float().mean().item()
+    assert len(found["heads"]) == 2 * 2 and found["uniform"] == 1 / (16 - view_a)
+    assert not any(module._forward_hooks for module in model.predictor.modules())
+
+
 def test_branch_sizes_separate_what_varies_between_positions():
     args = CrossBertArgs(encoder=TransformerArgs(dim=32, n_layers=2, n_heads=2, max_seqlen=16),
                          predictor=PredictorArgs(n_layers=2))

@@ -1,12 +1,32 @@
-"""The shared masked-LM loss: the chunked output head against the plain logits + cross-entropy."""
+"""The shared masking: every app's mask ratio checked at config time, and the masked-LM loss (the chunked output head
+against the plain logits + cross-entropy)."""
+
+import dataclasses
+import typing
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from apps import registered_apps
+from lingua.args import UserError, load_config
 from lingua.model.masking import chunked_lm_loss, masked_lm_loss
 
 N, D, V = 37, 16, 29
+MASKING_APPS = [app for app in registered_apps()
+                if "mask_ratio" in {f.name for f in dataclasses.fields(typing.get_type_hints(app.args_cls)["model"])}]
+
+
+def test_the_masking_apps_are_found():
+    assert {app.short_name for app in MASKING_APPS} >= {"bert", "crossbert", "electra"}
+
+
+@pytest.mark.parametrize("ratio", ["0", "1", "-0.5", "1.5"])
+@pytest.mark.parametrize("app", MASKING_APPS, ids=lambda app: app.short_name)
+def test_a_mask_ratio_outside_0_1_is_refused_in_one_line_at_config_time(app, ratio):
+    with pytest.raises(UserError) as refused:
+        load_config(app.args_cls, ["dump_dir=unused", f"model.mask_ratio={ratio}"])
+    assert str(refused.value) == f"config key 'model.mask_ratio' must be strictly between 0 and 1, got {float(ratio)}"
 
 
 def inputs(dtype=torch.float64):

@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lingua.app import AppModel, MaskedLMHead
-from lingua.args import require
 from lingua.model.flops import encoder_flops_per_token, output_head_flops
-from lingua.model.masking import gather_tokens, masked_positions
+from lingua.model.masking import check_mask_ratio, gather_tokens, masked_positions
 from lingua.model.transformer import Encoder, TransformerArgs, default_positions
 
 
@@ -22,7 +21,7 @@ class BertArgs:
     mask_ratio: float = 0.2  # the paper's BERT
 
     def __post_init__(self):
-        require(0 < self.mask_ratio < 1, "mask_ratio", f"must be strictly between 0 and 1, got {self.mask_ratio}")
+        check_mask_ratio(self.mask_ratio)
 
 
 class Bert(AppModel):

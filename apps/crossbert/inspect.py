@@ -15,6 +15,7 @@ visible tokens in the encoder, the masked ones as queries). Printed:
   varying part carries.
 """
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -25,7 +26,6 @@ import torch.nn.functional as F
 from lingua.app import load_model
 from lingua.args import UserError, at_least, command_line, load_config
 from lingua.data.loader import load_validation
-from lingua.model.masking import num_masked
 
 OFFSETS = (-3, -2, -1, 1, 2, 3)
 FAR = 8
@@ -59,13 +59,24 @@ def branch_sizes(output: torch.Tensor) -> dict[str, float]:
     return {"rms": rms(output), "varying": rms(output - output.float().mean((0, 1)))}
 
 
-def run_block(layer, h, context, q_rope, kv_rope) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A predictor block's output and what its attention and feed-forward branches added to the residual stream."""
-    added = {}
-    hooks = [module.register_forward_hook(lambda _, __, out, name=name: added.__setitem__(name, out))
+@contextlib.contextmanager
+def recording(predictor):
+    """Per block of the predictor, while it runs unmasked: the softmax weights [B, H, Q, K] of its attention and what
+    its attention and feed-forward branches add to the residual stream."""
+    blocks = [{} for _ in predictor.layers]
+
+    def record(block: dict, name: str):
+        def hook(module, inputs, output):
+            if name == "attention":  # inputs: Attention.forward(x, context, q_rope, kv_rope, bias=None, backend)
+                block["weights"] = attention_weights(module, *inputs[:4])
+            block[name] = output
+        return hook
+
+    hooks = [module.register_forward_hook(record(block, name))
+             for block, layer in zip(blocks, predictor.layers)
              for name, module in (("attention", layer.attention), ("feed-forward", layer.feed_forward))]
     try:
-        return layer(h, context, q_rope, kv_rope, None), added
+        yield blocks
     finally:
         for hook in hooks:
             hook.remove()
@@ -81,39 +92,36 @@ def mean_cosine(h: torch.Tensor) -> float:
 def inspect(model, tokens: torch.Tensor, seed: int) -> dict:
     """Collapse measures and per-head attention profiles of view A of each row of tokens [B, S]."""
     batch = model.make_batch(tokens, torch.Generator().manual_seed(seed))
-    seq_len = tokens.shape[1]
-    n_masked = num_masked(model.args.mask_ratio, seq_len)
+    view = model.args.layout(tokens.shape[1]).views[0]
     encoder_mask, _ = model.view_masks(*batch["inputs"].shape) if model.args.cms else (None, None)
-    context = model.encoder(batch["inputs"], batch["positions"], encoder_mask)[:, :seq_len - n_masked]
-    keys, queries = batch["positions"][:, :seq_len - n_masked], batch["query_positions"][:, :n_masked]
+    context = model.encoder(batch["inputs"], batch["positions"], encoder_mask)[:, :view.visible]
+    keys, queries = batch["positions"][:, :view.visible], batch["query_positions"][:, :view.masked]
     predictor = model.predictor
-    h = predictor.mask_embedding.expand(*queries.shape, -1)
-    context_in, q_rope, kv_rope = predictor.context_proj(context), predictor.rope(queries), predictor.rope(keys)
+    with recording(predictor) as blocks:
+        outputs = predictor(context, keys, queries, None)
     offsets = keys[:, None, :] - queries[:, :, None]  # [B, Q, K]
     heads, branches = [], []
-    for index, layer in enumerate(predictor.layers):
-        weights = attention_weights(layer.attention, layer.attention_norm(h), context_in, q_rope, kv_rope)
+    for index, block in enumerate(blocks):
+        weights = block["weights"]
         entropy = -(weights * weights.clamp_min(1e-12).log()).sum(-1).mean((0, 2)) / math.log(weights.shape[-1])
         for head in range(weights.shape[1]):
             w = weights[:, head]
             heads.append({"entropy": entropy[head].item(),
                           "at": {d: w[offsets == d].mean().item() for d in OFFSETS},
                           "far": w[offsets.abs() > FAR].mean().item()})
-        h, added = run_block(layer, h, context_in, q_rope, kv_rope)
-        branches += [{"name": f"{index}.{name}", **branch_sizes(out)} for name, out in added.items()]
-    outputs = predictor.output_proj(predictor.norm(h))
+        branches += [{"name": f"{index}.{name}", **branch_sizes(block[name])} for name in ("attention", "feed-forward")]
     predictions = model.encoder.logits(outputs).argmax(-1)
-    targets = batch["targets"][:, :n_masked]
+    targets = batch["targets"][:, :view.masked]
     return {
         "accuracy": (predictions == targets).float().mean().item(),
         "top_predictions": torch.bincount(predictions.flatten(), minlength=3).topk(3),
         "predictions": predictions.numel(),
-        "cosine": {"embeddings": mean_cosine(model.encoder.embed(batch["inputs"][:, :seq_len - n_masked])),
+        "cosine": {"embeddings": mean_cosine(model.encoder.embed(batch["inputs"][:, :view.visible])),
                    "encoder": mean_cosine(context), "predictor": mean_cosine(outputs)},
         "heads": heads,
         "branches": branches,
         "mask_embedding": rms(predictor.mask_embedding),
-        "uniform": 1 / (seq_len - n_masked),
+        "uniform": 1 / view.visible,
     }
 
 

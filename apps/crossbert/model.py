@@ -17,7 +17,7 @@ as the reference the tests compare against, and for the benchmark).
 """
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from torch import nn
 from lingua.app import AppModel, MaskedLMHead
 from lingua.args import UserError, at_least, require
 from lingua.model.flops import encoder_flops_per_token, non_embedding_params, output_head_flops
-from lingua.model.masking import num_masked, random_positions
+from lingua.model.masking import check_mask_ratio, num_masked, random_positions
 from lingua.model.transformer import (
     AttnMask,
     CrossAttentionBlock,
@@ -63,6 +63,37 @@ class PredictorArgs:
 CMS_ATTENTION = ("segments", "mask")
 
 
+class View(NamedTuple):
+    """One view of a sequence: its visible tokens, which the encoder sees, and its masked ones, each one of the
+    predictor's queries."""
+
+    visible: int
+    masked: int
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """The static shapes of a step on sequences of seq_len S tokens (paper sections 3.2 and 5.1): view A masks a fixed
+    count M = round(mask_ratio * S) of each sequence; with CMS the complementary view B masks the other S - M, and
+    both views share one encoder row (A's S - M visible tokens, then B's M) and one predictor row (A's M queries, then
+    B's S - M)."""
+
+    views: tuple[View, ...]  # (A,), or with CMS (A, B)
+    masking_ratio: float  # eq. 8's r over token-views: mask_ratio, or with CMS 1/2 (B's ratio is 1 - mask_ratio)
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.views[0])
+
+    @property
+    def encoder_lengths(self) -> tuple[int, ...]:
+        return tuple(view.visible for view in self.views)
+
+    @property
+    def query_lengths(self) -> tuple[int, ...]:
+        return tuple(view.masked for view in self.views)
+
+
 @dataclass
 class CrossBertArgs:
     encoder: TransformerArgs = field(default_factory=TransformerArgs)
@@ -72,7 +103,7 @@ class CrossBertArgs:
     cms_attention: str = "segments"  # segments: each view attends on its own | mask: one dense view mask per row
 
     def __post_init__(self):
-        require(0 < self.mask_ratio < 1, "mask_ratio", f"must be strictly between 0 and 1, got {self.mask_ratio}")
+        check_mask_ratio(self.mask_ratio)
         require(self.cms_attention in CMS_ATTENTION, "cms_attention",
                 f"must be one of {', '.join(CMS_ATTENTION)}, got '{self.cms_attention}'")
         check_sub_network("predictor", self.predictor_transformer)
@@ -83,6 +114,14 @@ class CrossBertArgs:
         return sub_network(self.encoder, pred.n_layers or quarter_depth(self.encoder), pred.dim, pred.n_heads,
                            pred.head_dim, pred.rope_theta)
 
+    def layout(self, seq_len: int) -> RowLayout:
+        """The views of sequences of seq_len tokens; a ratio that masks no token, or every token, is a UserError."""
+        masked = num_masked(self.mask_ratio, seq_len)
+        view = View(visible=seq_len - masked, masked=masked)
+        if not self.cms:
+            return RowLayout((view,), self.mask_ratio)
+        return RowLayout((view, View(visible=masked, masked=seq_len - masked)), 0.5)
+
 
 def predictor_flops_per_token(predictor: TransformerArgs, encoder_dim: int, seq_len: int) -> float:
     """The cross-attention predictor's analogue of eq. 7: 6 N_pred + 12 d L S, with S the sequence length (as the
@@ -92,15 +131,13 @@ def predictor_flops_per_token(predictor: TransformerArgs, encoder_dim: int, seq_
     return 6 * (non_embedding_params(predictor) + projections) + 12 * predictor.dim * predictor.n_layers * seq_len
 
 
-def crossbert_flops_per_token_view(
-    encoder: TransformerArgs, predictor: TransformerArgs, mask_ratio: float, seq_len: int, cms: bool
-) -> float:
+def crossbert_flops_per_token_view(encoder: TransformerArgs, predictor: TransformerArgs, layout: RowLayout) -> float:
     """Eq. 8, F_N = F_enc (1 - r) + F_pred r, per token-view: a position of one view of a sequence, of which a fraction
     1 - r is encoded and r predicted. With CMS, view B has ratio 1 - r, so the average over both views is
     (F_enc + F_pred) / 2 for any r (equal to eq. 8 at the paper's r = 0.5): a step that consumes one sequence of S
     data tokens processes 2 S token-views, and C = F_N D holds with D counting token-views (Appendix J's Tokens
     column = Steps x BSZ, so BSZ counts token-views too: BSZ / (2 S) data sequences per step)."""
-    r = 0.5 if cms else mask_ratio
+    r, seq_len = layout.masking_ratio, layout.seq_len
     f_enc = encoder_flops_per_token(encoder, seq_len)
     return f_enc * (1 - r) + predictor_flops_per_token(predictor, encoder.dim, seq_len) * r
 
@@ -153,7 +190,7 @@ class CrossBert(AppModel):
     def make_batch(self, tokens: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """Split each row into masked/visible sets and lay out the encoder and predictor rows (static shapes)."""
         B, S = tokens.shape
-        n_masked = num_masked(self.args.mask_ratio, S)
+        n_masked = self.args.layout(S).views[0].masked
         perm = random_positions(B, S, generator, tokens.device)
         masked, visible = perm[:, :n_masked].sort(1).values, perm[:, n_masked:].sort(1).values
         if not self.args.cms:
@@ -180,8 +217,8 @@ class CrossBert(AppModel):
 
     def view_masks(self, batch: int, seq_len: int) -> tuple[AttnMask | Segments, AttnMask | Segments]:
         """The encoder's and the predictor's attention structure for CMS rows of seq_len tokens."""
-        n_masked = num_masked(self.args.mask_ratio, seq_len)
-        encoder_lengths, query_lengths = (seq_len - n_masked, n_masked), (n_masked, seq_len - n_masked)
+        layout = self.args.layout(seq_len)
+        encoder_lengths, query_lengths = layout.encoder_lengths, layout.query_lengths
         if self.args.cms_attention == "segments":
             return Segments(encoder_lengths, encoder_lengths), Segments(query_lengths, encoder_lengths)
         encoder_views, query_views = (view_ids(lengths, self.predictor.mask_embedding.device).expand(batch, -1)
@@ -189,14 +226,13 @@ class CrossBert(AppModel):
         return AttnMask(encoder_views, encoder_views), AttnMask(query_views, encoder_views)
 
     def flops_per_token_view(self, seq_len: int) -> float:
-        return crossbert_flops_per_token_view(
-            self.args.encoder, self.args.predictor_transformer(), self.args.mask_ratio, seq_len, self.args.cms
-        )
+        return crossbert_flops_per_token_view(self.args.encoder, self.args.predictor_transformer(),
+                                              self.args.layout(seq_len))
 
     def head_flops_per_token_view(self, seq_len: int) -> float:
-        """With CMS every token is predicted once per two token-views; without, the masked fraction."""
-        predicted = 0.5 if self.args.cms else self.args.mask_ratio
-        return output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings) * predicted
+        """The head runs on the predicted fraction r of the token-views (with CMS, every token once per two)."""
+        head = output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings)
+        return head * self.args.layout(seq_len).masking_ratio
 
     def init_weights(self) -> None:
         super().init_weights()

@@ -22,7 +22,7 @@ from torch import nn
 from lingua.app import AppModel, MaskedLMHead
 from lingua.args import at_least, require
 from lingua.model.flops import encoder_flops_per_token, output_head_flops
-from lingua.model.masking import gather_tokens, masked_lm_loss, masked_positions
+from lingua.model.masking import check_mask_ratio, gather_tokens, masked_lm_loss, masked_positions
 from lingua.model.transformer import (
     Encoder,
     RMSNorm,
@@ -58,7 +58,7 @@ class ElectraArgs:
     rtd_weight: float = 50.0  # λ: the RTD loss is per token and easy, so it is weighted up (ELECTRA's value)
 
     def __post_init__(self):
-        require(0 < self.mask_ratio < 1, "mask_ratio", f"must be strictly between 0 and 1, got {self.mask_ratio}")
+        check_mask_ratio(self.mask_ratio)
         require(self.rtd_weight >= 0, "rtd_weight", f"must be >= 0, got {self.rtd_weight}")
         check_sub_network("generator", self.generator_transformer)
 

@@ -36,8 +36,3 @@ def output_head_flops(dim: int, vocab_size: int) -> float:
     """Per predicted token, forward and backward: the tied head's [dim, vocab] matmul, which eq. 7 leaves out (the
     paper's convention) although it runs; at small widths it is a large share of a step."""
     return 6 * dim * vocab_size
-
-
-def compute_budget(flops_per_token: float, tokens: float) -> float:
-    """Eq. 6."""
-    return flops_per_token * tokens

@@ -7,7 +7,14 @@ noise drawn from the loop's generator), so no tensor shape depends on the draw a
 import torch
 import torch.nn.functional as F
 
+from lingua.args import require
 from lingua.errors import UserError
+
+
+def check_mask_ratio(mask_ratio: float) -> None:
+    """The check of an app's `mask_ratio` config field, from its `__post_init__`. Whether a ratio masks at least one
+    token of a row, and not every token, depends on the row's length too: `num_masked` says so when it is known."""
+    require(0 < mask_ratio < 1, "mask_ratio", f"must be strictly between 0 and 1, got {mask_ratio}")
 
 
 def num_masked(mask_ratio: float, seq_len: int) -> int:
