@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from lingua.errors import UserError
+from lingua.errors import ConfigError, UserError, at_least, require  # noqa: F401 (part of the config API)
 from lingua.files import untrusted
 from lingua.files.safe import atomic_write
 
@@ -38,14 +38,6 @@ class HelpRequested(Exception):
     def __init__(self, text: str):
         super().__init__(text)
         self.text = text
-
-
-class ConfigError(UserError):
-    """An invalid value of config field `key` (relative to the dataclass that raised it)."""
-
-    def __init__(self, key: str, problem: str):
-        self.key, self.problem = key, problem
-        super().__init__(f"config key '{key}' {problem}")
 
 
 OLDEST_TORCH = (2, 11)  # the oldest torch the library runs on (the tests run on it and on the pinned 2.13)
@@ -73,18 +65,6 @@ def command_line(usage: str):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-
-
-def require(condition: bool, key: str, problem: str) -> None:
-    if not condition:
-        raise ConfigError(key, problem)
-
-
-def at_least(cfg: Any, minimum: float, *names: str) -> None:
-    """Each named field of `cfg` (None allowed: an optional, unset value) is >= minimum."""
-    for name in names:
-        value = getattr(cfg, name)
-        require(value is None or value >= minimum, name, f"must be >= {minimum}, got {value}")
 
 
 def load_config(cls: type[T], argv: list[str], base: dict[str, Any] | None = None) -> T:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lingua.args import UserError, at_least, require
+from lingua.errors import UserError, at_least, require
 
 logger = logging.getLogger(__name__)
 

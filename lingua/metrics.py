@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from lingua.args import UserError, at_least, require
 from lingua.distributed import all_reduce, rank_and_world
+from lingua.errors import UserError, at_least, require
 from lingua.files.safe import Fence, atomic_write, open_appending, refuse_link, unfenced
 from lingua.files.untrusted import Malformed, parse_json, read_bytes
 

@@ -52,7 +52,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from lingua.args import UserError, at_least
 from lingua.checkpoint import safe_dcp
 from lingua.distributed import (
     all_reduce,
@@ -62,6 +61,7 @@ from lingua.distributed import (
     parameters_finite,
     rank_and_world,
 )
+from lingua.errors import UserError, at_least
 from lingua.files import untrusted
 from lingua.files.safe import Fence, RefusedFile, atomic_write, fsync_dir, regular_file, unfenced
 from lingua.run_folder import CONSOLIDATED, RunFolder

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from lingua.args import UserError, at_least, require
 from lingua.data.documents import SkippedRows, document
 from lingua.data.source_stream import SourceStream, line_start_at_or_after, rank_segments
 from lingua.data.tokenizer import TokenizerArgs
+from lingua.errors import UserError, at_least, require
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from lingua.args import UserError, require
+from lingua.errors import UserError, require
 from lingua.files.safe import RefusedFile, regular_file
 
 logger = logging.getLogger(__name__)

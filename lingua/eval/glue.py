@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lingua.args import UserError, at_least
+from lingua.errors import UserError, at_least
 from lingua.eval import probes
 from lingua.eval.features import DEFAULT_MAX_LEN, FeatureCache, extract_features, resolve_layers
 from lingua.eval.glue_data import TASKS, GlueSplit, GlueTask, MissingSplit, SkippedLinesReport, load_split

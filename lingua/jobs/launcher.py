@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lingua.args import UserError, at_least, require
+from lingua.errors import UserError, at_least, require
 from lingua.files.safe import atomic_write, fsync_dir
 from lingua.files.untrusted import read_json
 from lingua.run_folder import JOB_RECORD

@@ -7,8 +7,7 @@ noise drawn from the loop's generator), so no tensor shape depends on the draw a
 import torch
 import torch.nn.functional as F
 
-from lingua.args import require
-from lingua.errors import UserError
+from lingua.errors import UserError, require
 
 
 def check_mask_ratio(mask_ratio: float) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lingua.args import at_least, require
+from lingua.errors import at_least, require
 from lingua.eval.features import mean_pool
 from lingua.model.transformer import (
     AttnMask,

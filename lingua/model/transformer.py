@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lingua.args import ConfigError, at_least, require
+from lingua.errors import ConfigError, at_least, require
 from lingua.model.masking import chunked_lm_loss, masked_lm_loss
 
 

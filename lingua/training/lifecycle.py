@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lingua.args import UserError, require
 from lingua.distributed import fail_together, on_rank_zero, rank_and_world
+from lingua.errors import UserError, require
 from lingua.files.safe import fsync_dir
 from lingua.run_folder import RunFolder
 

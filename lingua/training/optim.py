@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lingua.args import at_least, require
+from lingua.errors import at_least, require
 
 DECAYS = ("cosine", "linear")
 

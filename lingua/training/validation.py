@@ -13,9 +13,9 @@ from typing import Any, Protocol
 import torch
 
 from lingua.app import App
-from lingua.args import UserError, at_least
 from lingua.data.loader import ValidationRows
 from lingua.distributed import Launch, all_reduce, on_every_rank
+from lingua.errors import UserError, at_least
 from lingua.eval.glue import GlueEvalArgs, check_args, probe_length, run_glue_probes
 from lingua.eval.glue_data import SkippedLinesReport
 from lingua.parallel import autocast
