@@ -14,14 +14,13 @@ else. An app that trains on something other than packed text rows (contrastive t
 `DataPipeline`; one that starts from another app's weights gives `load_init`
 (and `configure`, to take that run's shapes); one scored otherwise than by a loss on held-out rows gives `validate`
 (fine-tuning: dev-set metrics); one measured otherwise too during training registers `evaluations` (the shipped
-apps: the frozen GLUE probes, with an `eval` section in their TrainArgs; an STS score); one that predicts `<mask>`ed
-tokens declares how on its model (`AppModel.masked_lm`), which the export follows.
+apps: the frozen GLUE probes, with an `eval` section in their TrainArgs; an app of yours: e.g. an STS score); one
+that predicts `<mask>`ed tokens declares how on its model (`AppModel.masked_lm`), which the export follows.
 `configure` decides and reads no file: the loop reads, once, what the run starts from (lingua/training/resume.py
 `Start`: init_from opened, the resumed run's config, the data pipeline's `check`). The loop builds the model on the
 meta device, parallelises it, materialises it and calls `init_weights`; it owns the data, the optimizer, the
 schedule, checkpoints, logging and the random generator; the model owns its masking, its loss, its FLOPs and its
-shape. No app imports another: what
-several apps share lives in `lingua/` (e.g. `lingua/model/masking.py`).
+shape. No app imports another: what several apps share lives in `lingua/` (e.g. `lingua/model/masking.py`).
 """
 
 import abc
@@ -35,11 +34,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lingua.args import UserError, from_dict, load_config
+from lingua.args import from_dict, load_config
 from lingua.checkpoint.store import Checkpoint, short_reason
 from lingua.data.loader import build_train_loader, load_validation, repartition
 from lingua.data.tokenizer import build_tokenizer
 from lingua.distributed import DistributedArgs, Launch
+from lingua.errors import UserError
 from lingua.model.pooler import AttentionPooler
 from lingua.model.scaling import ScalingLaws
 from lingua.model.transformer import Encoder, PreNormBlock, TransformerArgs, init_weights, trunc_normal_

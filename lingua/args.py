@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from lingua.errors import ConfigError, UserError, at_least, require  # noqa: F401 (part of the config API)
+from lingua.errors import ConfigError, UserError
 from lingua.files import untrusted
 from lingua.files.safe import atomic_write
 

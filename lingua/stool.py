@@ -45,7 +45,8 @@ from typing import Any
 import yaml
 
 from lingua.app import load_app
-from lingua.args import UserError, command_line, from_dict, load_config, parse_assignment, read_yaml, set_dotted
+from lingua.args import command_line, from_dict, load_config, parse_assignment, read_yaml, set_dotted
+from lingua.errors import UserError
 from lingua.files import untrusted
 from lingua.files.safe import atomic_write, open_appending
 from lingua.jobs import pipeline

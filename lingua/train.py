@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lingua.app import App, build_model
-from lingua.args import UserError, at_least, command_line, dump_config, load_config, require, to_dict
+from lingua.args import command_line, dump_config, load_config, to_dict
 from lingua.checkpoint.store import CheckpointArgs, CheckpointManager, TrainState, save_consolidated
 from lingua.data.loader import DataArgs, ReadAhead
 from lingua.data.tokenizer import build_tokenizer
@@ -47,6 +47,7 @@ from lingua.distributed import (
     on_rank_zero,
     resolve_device,
 )
+from lingua.errors import UserError, at_least, require
 from lingua.files.safe import atomic_write, remove_partial_writes
 from lingua.metrics import (
     LoggingArgs,

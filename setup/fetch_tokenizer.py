@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from lingua.args import UserError
 from lingua.data.tokenizer import R50K_FILENAME, R50K_SHA256, default_tokenizer_dir, sha256_of
+from lingua.errors import UserError
 from lingua.files.safe import atomic_write, fsync_dir
 
 WHISPER = "openai-whisper==20250625"

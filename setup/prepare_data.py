@@ -49,8 +49,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from lingua.args import UserError
 from lingua.data.tokenizer import sha256_of
+from lingua.errors import UserError
 from lingua.files import written_folder
 from lingua.files.safe import fsync_dir
 from lingua.files.untrusted import Malformed, parse_json

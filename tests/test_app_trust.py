@@ -19,8 +19,9 @@ from apps.crossbert.train import APP as CROSSBERT
 from apps.finetune import train as finetune
 from lingua import train as train_command
 from lingua.app import checkpoint_app, load_model
-from lingua.args import UserError, load_config
+from lingua.args import load_config
 from lingua.checkpoint.store import MANIFEST, PARAMS, Checkpoint
+from lingua.errors import UserError
 from lingua.export.consolidate import main as consolidate_main
 from lingua.export.embedder import load_embedder
 from lingua.export.hf_folder import main as export_main

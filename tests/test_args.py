@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from lingua.args import HelpRequested, UserError, config_help, dump_config, load_config
+from lingua.args import HelpRequested, config_help, dump_config, load_config
+from lingua.errors import UserError
 
 
 @dataclass

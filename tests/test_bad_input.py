@@ -19,7 +19,8 @@ from test_triplets import CORPUS, QRELS, QUERIES, write_beir
 
 from apps.finetune.train import FinetuneTrainArgs
 from lingua import stool
-from lingua.args import UserError, from_dict, to_dict
+from lingua.args import from_dict, to_dict
+from lingua.errors import UserError
 from lingua.eval import triplets
 from lingua.files import untrusted
 from lingua.jobs.pipeline_plan import load_pipeline

@@ -6,8 +6,9 @@ from conftest import tiny_argv
 
 from apps.bert.train import APP
 from lingua.app import load_model
-from lingua.args import UserError, load_config
+from lingua.args import load_config
 from lingua.checkpoint.store import CheckpointArgs, CheckpointManager
+from lingua.errors import UserError
 from lingua.export.consolidate import main as checkpoint_main
 from lingua.train import train
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from apps.bert.train import APP
 from lingua.app import load_model
-from lingua.args import UserError, load_config
+from lingua.args import load_config
 from lingua.checkpoint.store import (
     MANIFEST,
     PARAMS,
@@ -36,6 +36,7 @@ from lingua.checkpoint.store import (
     TrainState,
     verify,
 )
+from lingua.errors import UserError
 from lingua.export.consolidate import main as checkpoint_main
 from lingua.export.hf_folder import main as export_main
 from lingua.files.safe import atomic_write
@@ -366,7 +367,7 @@ import torch
 import torch.distributed as dist
 
 from lingua.checkpoint import store as checkpoint
-from lingua.args import UserError
+from lingua.errors import UserError
 from lingua.checkpoint.store import CheckpointArgs, CheckpointManager
 
 dist.init_process_group("gloo")

@@ -12,8 +12,9 @@ from apps.contrastive.data import TripletDataArgs, TripletLoader, encode_texts
 from apps.contrastive.model import eq5_loss, info_nce
 from apps.crossbert.train import APP as CROSSBERT
 from lingua.app import load_model
-from lingua.args import UserError, load_config
+from lingua.args import load_config
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
+from lingua.errors import UserError
 from lingua.export.embedder import load_embedder
 from lingua.run_folder import RunFolder
 from lingua.train import train

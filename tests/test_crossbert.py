@@ -12,7 +12,8 @@ from conftest import read_metrics, tiny_argv
 from apps.crossbert.model import CrossBert, CrossBertArgs, PredictorArgs, predictor_flops_per_token, view_ids
 from apps.crossbert.train import APP
 from lingua.app import load_model
-from lingua.args import UserError, load_config
+from lingua.args import load_config
+from lingua.errors import UserError
 from lingua.model.flops import count_params, encoder_flops_per_token, non_embedding_params
 from lingua.model.transformer import Segments, TransformerArgs
 from lingua.train import train
@@ -102,7 +103,7 @@ def test_split_rejects_empty_views():
         split(build(0.99), tokens())
 
 
-# What make_batch, view_masks and the FLOPs gave before the layout was one value, for TINY and VOCAB: (cms, mask_ratio,
+# Pinned values of make_batch, view_masks and the FLOPs for TINY and VOCAB: (cms, mask_ratio,
 # seq_len) -> (encoder row length, predictor row length, the CMS segments: encoder's, predictor's, F_N, head FLOPs),
 # both per token-view.
 LAYOUTS = {

@@ -4,9 +4,9 @@ import logging
 import pytest
 import torch
 
-from lingua.args import UserError
 from lingua.data.loader import DataArgs, ReadAhead, build_train_loader, load_validation
 from lingua.data.tokenizer import BytesTokenizer, TokenizerArgs, build_tokenizer
+from lingua.errors import UserError
 
 BOS, EOS = 256, 257  # <s> and </s> of the "bytes" tokenizer, whose other ids are the UTF-8 bytes
 

@@ -16,9 +16,10 @@ import torch
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
 from lingua.app import build_from_params, load_model
-from lingua.args import UserError, load_config, to_dict
+from lingua.args import load_config, to_dict
 from lingua.checkpoint.store import save_consolidated
 from lingua.data.tokenizer import R50K_FILENAME, default_tokenizer_dir
+from lingua.errors import UserError
 from lingua.eval.features import encode_example, pad_batch
 from lingua.export.embedder import load_embedder
 from lingua.export.hf_folder import MARKER, ExportArgs, beside, export, main

@@ -18,8 +18,9 @@ from apps.crossbert.train import APP as CROSSBERT
 from apps.electra.train import APP as ELECTRA
 from apps.finetune.train import APP as FINETUNE
 from lingua.app import MASKED_LM_READS, MaskedLMHead, build_from_params
-from lingua.args import UserError, load_config, to_dict
+from lingua.args import load_config, to_dict
 from lingua.checkpoint.store import save_consolidated
+from lingua.errors import UserError
 from lingua.eval.features import encode_example, mean_pool, pad_batch
 from lingua.eval.glue_data import TASKS
 from lingua.export.hf_folder import TEMPLATE_DIR, ExportArgs, export

@@ -16,9 +16,10 @@ from apps.finetune import train as finetune
 from apps.finetune.data import GlueDataArgs, GlueLoader, check_splits, decode_labels, label_codes, read_split
 from apps.finetune.train import FinetuneTrainArgs
 from lingua.app import load_model
-from lingua.args import UserError, from_dict, load_config, to_dict
+from lingua.args import from_dict, load_config, to_dict
 from lingua.checkpoint.store import Checkpoint
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
+from lingua.errors import UserError
 from lingua.eval.glue_data import TASKS
 from lingua.run_folder import RunFolder
 from lingua.train import main, train

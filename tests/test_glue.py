@@ -15,10 +15,11 @@ from apps.bert.train import BertTrainArgs
 from apps.crossbert.model import CrossBertArgs
 from apps.crossbert.train import CrossBertTrainArgs
 from lingua.app import build_from_params
-from lingua.args import UserError, to_dict
+from lingua.args import to_dict
 from lingua.checkpoint.store import CheckpointArgs, CheckpointManager, save_consolidated
 from lingua.data.loader import DataArgs
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
+from lingua.errors import UserError
 from lingua.eval import features, glue, glue_data
 from lingua.model.transformer import TransformerArgs
 from tools.eval import glue as glue_command

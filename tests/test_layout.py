@@ -1,6 +1,7 @@
 """The code's layout: the modules of lingua/, apps/ and tools/ import each other in one direction only (no circle)."""
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,14 +118,33 @@ def test_the_core_is_grouped_by_concept_and_shallow():
     assert 5 <= deepest <= 10
 
 
+def declared_map() -> list[tuple[str, set[str]]]:
+    """docs/design.md's map of lingua/, bottom up: each package (or top module) and the ones its row says it imports."""
+    rows = []
+    section = (REPO / "docs" / "design.md").read_text().split("## The map of lingua/")[1].split("\n## ")[0]
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and cells[0] != "`where`":
+            name = "lingua." + cells[0].strip("`").removesuffix("/").removesuffix(".py")
+            rows.append((name, {"lingua." + word for word in re.findall(r"`([a-z_]+)`", cells[2])}))
+    return rows
+
+
 def test_the_core_packages_import_downwards_only():
-    """The packages of lingua/ (and its top modules) import each other in one direction: no two import each other,
-    through any path. A package's `__main__` is a command, above every package."""
+    """The packages of lingua/ (and its top modules) import what the map in docs/design.md says, each only packages
+    listed above it: no two import each other, through any path. A package's `__main__` is a command, above all."""
     graph: dict[str, set[str]] = {}
     for module, targets in core_graph().items():
         if module.endswith(".__main__"):
             continue
         unit = core_unit(module)
         graph.setdefault(unit, set()).update(core_unit(t) for t in targets if core_unit(t) != unit)
-    assert {"lingua.checkpoint", "lingua.app", "lingua.training"} <= graph.keys()
+    graph.pop("lingua")  # the empty package itself
+    declared = declared_map()
+    assert [name for name, _ in declared] and {name for name, _ in declared} == graph.keys()
+    below: set[str] = set()
+    for name, imports in declared:
+        assert graph[name] <= imports, f"{name} imports {sorted(graph[name] - imports)}, which its row in the map omits"
+        assert imports <= below, f"{name}'s row names {sorted(imports - below)}, not below it in the map"
+        below.add(name)
     assert circles(graph) == []

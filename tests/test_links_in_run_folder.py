@@ -12,8 +12,8 @@ from test_faults import assert_one_line, run_main
 
 from apps.bert.train import APP as BERT
 from lingua import train as loop
-from lingua.args import UserError
 from lingua.checkpoint.store import Checkpoint, CheckpointArgs, CheckpointManager
+from lingua.errors import UserError
 from lingua.export.card import last_metrics
 from lingua.files.safe import atomic_write
 from lingua.run_folder import RunFolder

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from apps import registered_apps
-from lingua.args import UserError, load_config
+from lingua.args import load_config
+from lingua.errors import UserError
 from lingua.model.masking import chunked_lm_loss, masked_lm_loss
 
 N, D, V = 37, 16, 29

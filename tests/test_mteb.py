@@ -105,7 +105,7 @@ def test_tiny_tasks_score_through_mtebs_evaluation_and_resume(tmp_path):
 
 def test_task_selection_keeps_the_benchmarks_subsets_and_names_mistakes():
     pytest.importorskip("mteb")
-    from lingua.args import UserError
+    from lingua.errors import UserError
     from lingua.eval.mteb import select_tasks
 
     assert len(select_tasks("MTEB(eng, v2)")) == 41
@@ -182,7 +182,7 @@ def test_offline_tasks_stand_for_each_type_and_score_through_mtebs_evaluation(tm
 
 def test_offline_tasks_name_what_is_missing(tmp_path):
     pytest.importorskip("mteb")
-    from lingua.args import UserError
+    from lingua.errors import UserError
     from lingua.eval.mteb_offline import offline_tasks
 
     with pytest.raises(UserError, match="is not a folder"):

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lingua.args import UserError
+from lingua.errors import UserError
 from lingua.model.transformer import Encoder, TransformerArgs, init_weights
 from lingua.training.optim import OptimArgs, lr_at, param_groups
 

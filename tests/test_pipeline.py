@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lingua.args import UserError
+from lingua.errors import UserError
 from lingua.jobs.pipeline import format_status, launch
 from lingua.jobs.pipeline_plan import load_pipeline
 from lingua.jobs.pipeline_stage import slurm_job_active, state_of, this_process

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import Killed, killed_before, load_setup_script
 
-from lingua.args import UserError
+from lingua.errors import UserError
 from lingua.files import written_folder
 
 prep = load_setup_script("prepare_data")

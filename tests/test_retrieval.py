@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lingua.args import UserError
+from lingua.errors import UserError
 from lingua.eval import retrieval
 from lingua.eval.retrieval import dense_search, evaluate_retrieval, load_beir, mrr_at_k, ndcg_at_k, recall_at_k
 

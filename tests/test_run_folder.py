@@ -9,7 +9,7 @@ import pytest
 
 from lingua import run_folder
 from lingua.app import load_app
-from lingua.args import UserError
+from lingua.errors import UserError
 from lingua.run_folder import EVALUATIONS, RunFolder
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from conftest import end, read_metrics, start, tiny_argv
 
 from apps.bert.train import APP as BERT
 from lingua import train as loop
-from lingua.args import UserError
+from lingua.errors import UserError
 from lingua.run_folder import RunFolder
 from lingua.training.lifecycle import RunLock, lease_holder, lease_text, process_start
 

@@ -17,7 +17,8 @@ import yaml
 
 from apps.bert.train import BertTrainArgs
 from lingua import stool
-from lingua.args import UserError, load_config
+from lingua.args import load_config
+from lingua.errors import UserError
 from lingua.jobs.launcher import CODE_PACKAGES, LauncherArgs, executor_for, snapshot_code
 from tests.conftest import REPO, end, start, tagged_processes, tiny_argv
 

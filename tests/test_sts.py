@@ -9,7 +9,7 @@ import torch
 from scipy import stats
 from test_retrieval import DATA, BagOfWords
 
-from lingua.args import UserError
+from lingua.errors import UserError
 from lingua.eval.sts import evaluate_sts, find_sts_sets, read_semeval_sts, read_sick, read_sts_benchmark, read_sts_jsonl
 
 

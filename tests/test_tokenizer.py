@@ -12,7 +12,6 @@ import requests
 import tiktoken
 from conftest import load_setup_script, run_to_the_end, tiny_argv, write_corpus
 
-from lingua.args import UserError
 from lingua.data.tokenizer import (
     FETCH_HINT,
     R50K_FILENAME,
@@ -20,6 +19,7 @@ from lingua.data.tokenizer import (
     build_tokenizer,
     default_tokenizer_dir,
 )
+from lingua.errors import UserError
 
 TEXT = "Hello world! Ünïcödé, emoji 🙂 and tabs\tand\nnewlines."
 

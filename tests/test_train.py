@@ -16,9 +16,10 @@ from conftest import kill_after_first_checkpoint_then_restart, read_metrics, tin
 
 from apps.bert.train import APP
 from lingua.app import load_model
-from lingua.args import UserError, load_config
+from lingua.args import load_config
 from lingua.data.loader import ValidationRows
 from lingua.distributed import Launch
+from lingua.errors import UserError
 from lingua.parallel import parallelize
 from lingua.train import TrainArgs, train
 from lingua.training.validation import GLUE_PROBES, EvaluationKind, ValidationArgs, validate

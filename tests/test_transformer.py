@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from lingua.args import UserError
+from lingua.errors import UserError
 from lingua.model.flops import count_params, non_embedding_params
 from lingua.model.transformer import (
     ATTN_BACKENDS,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_retrieval import DATA, BagOfWords, write_beir
 
-from lingua.args import UserError
+from lingua.errors import UserError
 from lingua.eval.triplets import (
     BM25,
     MSMARCO,

@@ -24,8 +24,9 @@ from types import SimpleNamespace
 import torch
 
 from lingua.app import app_variant, build_model, load_app
-from lingua.args import UserError, at_least, command_line, load_config, require, to_dict
+from lingua.args import command_line, load_config, to_dict
 from lingua.distributed import DistributedArgs, Launch, resolve_device
+from lingua.errors import UserError, at_least, require
 from lingua.files import untrusted
 from lingua.files.safe import atomic_write
 from lingua.metrics import LoggingArgs, peak_flops, setup_logging

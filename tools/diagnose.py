@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import torch
 
 from lingua.app import app_variant, build_model
-from lingua.args import at_least, command_line, load_config, require, to_dict
+from lingua.args import command_line, load_config, to_dict
+from lingua.errors import at_least, require
 from lingua.files.safe import atomic_write
 from lingua.metrics import setup_logging
 from lingua.model.transformer import TransformerArgs

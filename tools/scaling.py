@@ -37,7 +37,8 @@ import yaml
 
 from apps import registered_apps
 from lingua.app import App, load_app
-from lingua.args import UserError, command_line, load_config, read_yaml
+from lingua.args import command_line, load_config, read_yaml
+from lingua.errors import UserError
 from lingua.files.safe import atomic_write
 from lingua.model.scaling import TOKENS_PER_FLOP_PER_TOKEN, nearest_shape, optimal_flops_per_token, plan_batch
 from tools.scaling_plots import plot_command

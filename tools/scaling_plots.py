@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from lingua.args import UserError, load_config, require
+from lingua.args import load_config
+from lingua.errors import UserError, require
 from lingua.model.scaling import best_per_group, fit_power_law
 from tools.scaling_runs import fitted_hyperparameters, probe_curves, read_run, require_probe, run_dirs
 

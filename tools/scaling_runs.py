@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from lingua.app import short_name
-from lingua.args import UserError, require
 from lingua.checkpoint.store import Checkpoint
+from lingua.errors import UserError, require
 from lingua.files import untrusted
 from lingua.jobs.launcher import read_job_record
 from lingua.metrics import read_metrics

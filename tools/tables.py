@@ -25,7 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from lingua.args import UserError, command_line, load_config
+from lingua.args import command_line, load_config
+from lingua.errors import UserError
 from lingua.eval.glue_data import TASKS
 from lingua.eval.mteb import CATEGORIES
 from lingua.files.safe import atomic_write

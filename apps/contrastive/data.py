@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lingua.args import UserError, at_least
 from lingua.data.documents import SkippedRows
 from lingua.data.tokenizer import TokenizerArgs
+from lingua.errors import UserError, at_least
 from lingua.files.untrusted import Malformed, parse_json
 
 logger = logging.getLogger(__name__)

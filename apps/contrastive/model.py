@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.nn.functional import all_gather
 
 from lingua.app import AppModel
-from lingua.args import require
+from lingua.errors import require
 from lingua.model.flops import encoder_flops_per_token
 from lingua.model.pooler import AttentionPooler, PoolerArgs, mean_pool_normalised, pooler_transformer
 from lingua.model.transformer import Encoder, TransformerArgs, check_sub_network, head_dim_of

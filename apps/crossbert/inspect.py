@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from lingua.app import load_model
-from lingua.args import UserError, at_least, command_line, load_config
+from lingua.args import command_line, load_config
 from lingua.data.loader import load_validation
+from lingua.errors import UserError, at_least
 
 OFFSETS = (-3, -2, -1, 1, 2, 3)
 FAR = 8

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lingua.app import AppModel, MaskedLMHead
-from lingua.args import UserError, at_least, require
+from lingua.errors import UserError, at_least, require
 from lingua.model.flops import encoder_flops_per_token, non_embedding_params, output_head_flops
 from lingua.model.masking import check_mask_ratio, num_masked, random_positions
 from lingua.model.transformer import (

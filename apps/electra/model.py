@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lingua.app import AppModel, MaskedLMHead
-from lingua.args import at_least, require
+from lingua.errors import at_least, require
 from lingua.model.flops import encoder_flops_per_token, output_head_flops
 from lingua.model.masking import check_mask_ratio, gather_tokens, masked_lm_loss, masked_positions
 from lingua.model.transformer import (

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from lingua.args import UserError, at_least, require
 from lingua.data.tokenizer import TokenizerArgs
+from lingua.errors import UserError, at_least, require
 from lingua.eval.features import encode_example
 from lingua.eval.glue_data import TASKS, GlueTask, MissingSplit, SkippedLinesReport, load_split
 

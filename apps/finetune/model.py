@@ -17,7 +17,7 @@ from torch import nn
 
 from apps.finetune.data import decode_labels
 from lingua.app import AppModel
-from lingua.args import at_least, require
+from lingua.errors import at_least, require
 from lingua.eval.features import mean_pool
 from lingua.model.flops import encoder_flops_per_token
 from lingua.model.pooler import AttentionPooler, PoolerArgs, pooler_transformer

@@ -22,9 +22,9 @@ from apps.finetune.data import (
 )
 from apps.finetune.model import FinetuneArgs, build_finetune
 from lingua.app import DataPipeline
-from lingua.args import UserError, at_least, require
 from lingua.checkpoint.store import Checkpoint
 from lingua.distributed import Launch, all_reduce
+from lingua.errors import UserError, at_least, require
 from lingua.eval.glue import GlueEvalArgs, task_scores
 from lingua.parallel import autocast
 from lingua.train import App, TrainArgs, main

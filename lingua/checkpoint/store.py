@@ -1,4 +1,4 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), resume, and consolidated weights (one file).
+"""Checkpoints with torch.distributed.checkpoint (DCP): saved, kept, read back; and consolidated weights (one file).
 
 Layout of a run's checkpoints/ (the rest of its dump_dir: lingua/run_folder.py):
     0000001000/                    one complete checkpoint: DCP shards of model + optimizer,

@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 from scipy import sparse
 
-from lingua.args import UserError, at_least, command_line, load_config, require
+from lingua.args import command_line, load_config
+from lingua.errors import UserError, at_least, require
 from lingua.eval.retrieval import Embedder, Qrels, Ranking, dense_search, load_beir, numbered_lines
 from lingua.files.safe import atomic_write
 from lingua.files.untrusted import parse_json_line

@@ -1,8 +1,6 @@
 """The export's model card (README.md): the run's shape, size, vocabulary, input, training, pooling and heads, its
-frozen GLUE probe tables, and how to load the folder.
-
-Its own file because the card is prose about the run (its metrics.jsonl and glue_eval results) for readers, apart
-from the files that the libraries load (lingua/export/hf_folder.py).
+frozen GLUE probe tables, and how to load the folder: prose about the run (its metrics.jsonl and glue_eval
+results) for readers, beside the files the libraries load (lingua/export/hf_folder.py).
 """
 
 import logging

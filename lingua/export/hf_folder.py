@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 
 from lingua.app import MaskedLMHead
-from lingua.args import UserError, command_line, load_config
+from lingua.args import command_line, load_config
 from lingua.checkpoint.store import Checkpoint
+from lingua.errors import UserError
 from lingua.eval.glue_data import TASKS
 from lingua.export.card import model_card
 from lingua.export.embedder import Embedder, load_embedder

@@ -44,7 +44,8 @@ import socket
 import time
 from pathlib import Path
 
-from lingua.args import UserError, load_config
+from lingua.args import load_config
+from lingua.errors import UserError
 from lingua.files.safe import atomic_write
 from lingua.jobs.launcher import (
     LauncherArgs,

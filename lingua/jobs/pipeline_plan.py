@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lingua.args import UserError, read_yaml
+from lingua.args import read_yaml
+from lingua.errors import UserError
 
 NAME = re.compile(r"[A-Za-z0-9_-]+")  # a stage's or a variant's: in a folder's name and a job's
 

@@ -9,8 +9,9 @@ from dataclasses import replace
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from lingua.app import UntrustedApp, build_checkpoint_model, checkpoint_app, load_model
-from lingua.args import UserError, from_dict, to_dict
+from lingua.args import from_dict, to_dict
 from lingua.checkpoint.store import Checkpoint
+from lingua.errors import UserError
 from lingua.model.pooler import PoolerArgs, pooler_transformer
 from lingua.model.transformer import TransformerArgs, head_dim_of
 from lingua.training.resume import Start

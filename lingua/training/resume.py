@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lingua.app import App
-from lingua.args import UserError, config_changes, to_dict
+from lingua.args import config_changes, to_dict
 from lingua.checkpoint.store import Checkpoint, CheckpointArgs, CheckpointManager, DamagedCheckpoint, verify
 from lingua.distributed import Launch, agreed_failure, barrier, broadcast_object, on_every_rank
+from lingua.errors import UserError
 from lingua.model.transformer import architecture_fields
 from lingua.run_folder import RunFolder
 from lingua.training.optim import lr_at

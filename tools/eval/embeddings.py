@@ -16,8 +16,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lingua.args import UserError, command_line, load_config
+from lingua.args import command_line, load_config
 from lingua.checkpoint.store import Checkpoint
+from lingua.errors import UserError
 from lingua.eval.retrieval import evaluate_retrieval
 from lingua.eval.sts import evaluate_sts, find_sts_sets
 from lingua.export.embedder import POOLINGS, load_embedder

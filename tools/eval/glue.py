@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from lingua.app import load_model
-from lingua.args import UserError, command_line, load_config
+from lingua.args import command_line, load_config
 from lingua.checkpoint.store import Checkpoint
 from lingua.distributed import resolve_device
+from lingua.errors import UserError
 from lingua.eval.features import FeatureCache
 from lingua.eval.glue import GlueEvalArgs, check_args, evaluate_glue, probe_length
 from lingua.eval.report import format_table

@@ -19,8 +19,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lingua.args import UserError, at_least, command_line, load_config
+from lingua.args import command_line, load_config
 from lingua.checkpoint.store import Checkpoint
+from lingua.errors import UserError, at_least
 from lingua.files import untrusted
 from lingua.files.safe import atomic_write
 from lingua.metrics import setup_logging

@@ -19,7 +19,8 @@ import yaml
 
 from apps.finetune.train import FINETUNE
 from lingua import stool
-from lingua.args import UserError, command_line, load_config, parse_assignment
+from lingua.args import command_line, load_config, parse_assignment
+from lingua.errors import UserError
 from lingua.eval.glue_data import TASKS
 from lingua.files.safe import atomic_write
 from lingua.jobs.launcher import split_arguments

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from apps.finetune.train import FinetuneTrainArgs
 from lingua.app import load_app, shipped_module, short_name
-from lingua.args import UserError, command_line, from_dict
+from lingua.args import command_line, from_dict
 from lingua.checkpoint.store import Checkpoint
+from lingua.errors import UserError
 from lingua.eval.glue_data import TASKS
 from lingua.files import untrusted
 from lingua.files.safe import atomic_write
