@@ -14,7 +14,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ENV, REPO, end, read_metrics, run_to_the_end, running, start, tagged_processes, tiny_argv
+from conftest import (
+    ENV,
+    LONG_RUN_STEPS,
+    REPO,
+    end,
+    long_run_argv,
+    read_metrics,
+    run_to_the_end,
+    running,
+    start,
+    tagged_processes,
+    tiny_argv,
+)
 
 from apps import registered_apps
 from apps.bert.train import APP as BERT
@@ -299,13 +311,12 @@ def test_a_data_file_that_shrinks_under_a_run_stops_every_rank_in_one_line(corpu
     assert "under the running job" in err and "]: Traceback" not in err
 
 
-def test_an_elastic_restart_continues_from_the_newest_checkpoint(corpus, tmp_path):
+def test_an_elastic_restart_continues_from_the_newest_checkpoint(corpus, tmp_path, long_run_on_two_processes):
     """torchrun --max-restarts: a worker killed mid-run is restarted with the other, and the run resumes by itself
     with the losses of an uninterrupted run."""
-    reference, restarted = tmp_path / "reference", tmp_path / "restarted"
-    torchrun("-m", "apps.bert.train", *_train_argv(corpus, reference, 100, "checkpoint.every=5"))
+    restarted = tmp_path / "restarted"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "-m", "apps.bert.train", *_train_argv(corpus, restarted, 100, "checkpoint.every=5")]
+           "-m", "apps.bert.train", *long_run_argv(corpus, restarted)]
     proc = start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     checkpoints = CheckpointManager(restarted / "checkpoints", CheckpointArgs())
     try:
@@ -316,9 +327,9 @@ def test_an_elastic_restart_continues_from_the_newest_checkpoint(corpus, tmp_pat
         end(proc)
     assert proc.returncode == 0, err[-3000:]
     assert "resumed from" in (restarted / "train.log").read_text()
-    expected, got = read_metrics(reference), read_metrics(restarted)
-    assert sorted(got) == list(range(1, 101))
-    assert all(got[s]["loss"] == expected[s]["loss"] for s in got)
+    got = read_metrics(restarted)
+    assert sorted(got) == list(range(1, LONG_RUN_STEPS + 1))
+    assert all(got[s]["loss"] == long_run_on_two_processes[s]["loss"] for s in got)
 
 
 def test_sigterm_ends_a_start_up_that_waits_for_the_other_ranks(corpus, tmp_path):
