@@ -30,9 +30,17 @@ def run(argv):
     return train(APP, load_config(APP.args_cls, argv))
 
 
-def test_loss_falls_and_run_artifacts(corpus, tmp_path):
-    dump = tmp_path / "run"
-    summary = run(tiny_argv(corpus, dump, steps=40))
+@pytest.fixture(scope="module")
+def forty_steps(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(the tiny corpus, a finished 40-step run on it, its summary), trained once for the module; tests that resume
+    or change it work on a copy."""
+    root = tmp_path_factory.mktemp("forty_steps")
+    corpus, dump = write_corpus(root / "data"), root / "run"
+    return corpus, dump, run(tiny_argv(corpus, dump, steps=40))
+
+
+def test_loss_falls_and_run_artifacts(forty_steps):
+    _, dump, summary = forty_steps
     losses = [m["loss"] for m in read_metrics(dump).values()]
     assert summary["steps"] == 40 and len(losses) == 40
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
@@ -62,10 +70,9 @@ def test_an_apps_parallelism_plan_is_the_one_trained(corpus, tmp_path, monkeypat
     assert summary["steps"] == 2 and planned == [("Bert", "full_shard", 1)]
 
 
-def test_exact_resume(corpus, tmp_path):
+def test_exact_resume(forty_steps, tmp_path):
     """A run resumed from its step-20 checkpoint reproduces the uninterrupted run's losses exactly."""
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    run(tiny_argv(corpus, full, steps=40))
+    (corpus, full, _), resumed = forty_steps, tmp_path / "resumed"
     shutil.copytree(full, resumed)
     for later in ("0000000030", "0000000040"):
         shutil.rmtree(resumed / "checkpoints" / later)
