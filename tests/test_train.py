@@ -20,7 +20,7 @@ from lingua.args import UserError, load_config
 from lingua.data.loader import ValidationRows
 from lingua.distributed import Launch
 from lingua.parallel import parallelize
-from lingua.train import TrainArgs, train
+from lingua.train import TrainArgs, main, train
 from lingua.training.validation import GLUE_PROBES, EvaluationKind, ValidationArgs, validate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,11 +132,19 @@ def test_exported_model_encodes(corpus, tmp_path):
         (["data.seq_len=64"], "exceeds model.encoder.max_seqlen"),
     ],
 )
-def test_user_errors_are_one_line(corpus, tmp_path, extra, message):
-    argv = tiny_argv(corpus, tmp_path / "run", steps=2) + extra
+def test_user_errors_are_one_line(corpus, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(APP, tiny_argv(corpus, tmp_path / "run", steps=2) + extra)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_command_line_says_a_user_error_in_one_line(corpus, tmp_path):
+    """The same as above through `python -m` (the messages themselves are checked in-process above)."""
+    argv = tiny_argv(corpus, tmp_path / "run", steps=2) + ["model.encoder.dimm=3"]
     proc = subprocess.run([sys.executable, "-m", "apps.bert.train", *argv], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert "unknown config key 'model.encoder.dimm'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_gradient_accumulation_matches_a_full_batch(corpus, tmp_path):
