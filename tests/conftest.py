@@ -107,10 +107,45 @@ def tiny_argv(data_root: Path, dump_dir: Path, steps: int) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="session")
+def tiny_crossbert(tmp_path_factory) -> Path:
+    """A tiny CrossBERT pre-trained for 6 steps on the tiny corpus (no validation): its checkpoints and consolidated.pt,
+    trained once for the session. Tests start from it, evaluate and export it; a test that changes it copies it."""
+    from apps.crossbert.train import APP as CROSSBERT
+    from lingua.args import load_config
+    from lingua.train import train
+
+    root = tmp_path_factory.mktemp("tiny_crossbert")
+    argv = tiny_argv(write_corpus(root / "data"), root / "crossbert", 6) + ["validation.every=0"]
+    train(CROSSBERT, load_config(CROSSBERT.args_cls, argv))
+    return root / "crossbert"
+
+
 def read_metrics(dump_dir: Path) -> dict[int, dict]:
     """metrics.jsonl's training records (those with a loss) by step."""
     records = [json.loads(line) for line in (dump_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in records if "loss" in r}
+
+
+LONG_RUN_STEPS = 100  # long enough that a process killed after the first checkpoint (step 5) dies mid-training
+
+
+def long_run_argv(data_root: Path, dump_dir: Path, steps: int = LONG_RUN_STEPS, *extra: str) -> list[str]:
+    """tiny_argv with a checkpoint every 5 steps and validation every 20: the runs that are killed midway."""
+    return [*tiny_argv(data_root, dump_dir, steps), "checkpoint.every=5", "validation.every=20", *extra]
+
+
+@pytest.fixture(scope="session")
+def long_run_on_two_processes(tmp_path_factory) -> dict[int, dict]:
+    """metrics.jsonl's training records of long_run_argv's BERT run on the tiny corpus, uninterrupted, on two
+    processes of one machine (`torchrun --standalone`), run once for the session: what a run killed midway (a worker,
+    a node) and resumed must log, step for step."""
+    root = tmp_path_factory.mktemp("long_run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "apps.bert.train",
+           *long_run_argv(write_corpus(root / "data"), root / "run")]
+    result = run_to_the_end(cmd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_metrics(root / "run")
 
 
 def load_setup_script(name: str):

@@ -1,11 +1,13 @@
 """A few optimizer steps of a tiny model through the library's build path and step pieces, on fixed global batches
 whose rows and masks do not depend on the number of processes: each rank takes its rows of every global batch.
 
-    python tests/fsdp_steps.py OUT.json [app=bert] [fsdp_type=full_shard] [ac=none] [compile=false] [grad_acc=1]
-        [bf16=false]
-    torchrun --nproc-per-node 2 tests/fsdp_steps.py OUT.json ...
+    python tests/fsdp_steps.py OUT.json CONFIGURATION [CONFIGURATION ...]
+    torchrun --nproc-per-node 2 tests/fsdp_steps.py OUT.json CONFIGURATION [CONFIGURATION ...]
 
-Rank 0 writes, per step, the loss (mean over all rows) and the gradient norm. Used by tests/test_distributed.py.
+A CONFIGURATION is one argument of space-separated settings, each optional: "app=bert fsdp_type=full_shard ac=none
+compile=false grad_acc=1 bf16=false". One launch runs them one after the other, each model built afresh (starting
+the processes costs more than the steps). Rank 0 writes {configuration: per step, the loss (mean over all rows) and
+the gradient norm}. Used by tests/test_distributed.py.
 """
 
 import json
@@ -27,12 +29,9 @@ from lingua.training.step import training_step
 GLOBAL_ROWS, SEQ_LEN, STEPS = 8, 32, 4
 
 
-def main(out: str, app: str = "bert", fsdp_type: str = "full_shard", ac: str = "none", compile: str = "false",
-         grad_acc: str = "1", bf16: str = "false") -> None:
+def steps(launch, device, app: str = "bert", fsdp_type: str = "full_shard", ac: str = "none", compile: str = "false",
+          grad_acc: str = "1", bf16: str = "false") -> list[dict]:
     app = {"bert": BERT, "crossbert": CROSSBERT}[app]
-    launch = detect_launch()
-    device = torch.device("cpu")
-    init_process_group(launch, device, timeout_minutes=5)
     model_args = load_config(app.args_cls, ["dump_dir=x", "model.encoder.dim=32", "model.encoder.n_layers=2",
                                             "model.encoder.n_heads=2", "model.encoder.max_seqlen=32"]).model
     parallel = replace(DistributedArgs(), fsdp_type=fsdp_type, activation_checkpointing=ac,
@@ -54,11 +53,20 @@ def main(out: str, app: str = "bert", fsdp_type: str = "full_shard", ac: str = "
         result = training_step(model, optimizer, batches, clip=1.0)
         records.append({"loss": (all_reduce(result.loss) / launch.world_size).item(),
                         "grad_norm": result.grad_norm.item()})
+    return records
+
+
+def main(out: str, *configurations: str) -> None:
+    launch = detect_launch()
+    device = torch.device("cpu")
+    init_process_group(launch, device, timeout_minutes=5)
+    results = {configuration: steps(launch, device, **dict(setting.split("=", 1) for setting in configuration.split()))
+               for configuration in configurations}
     if launch.rank == 0:
         with open(out, "w") as f:
-            json.dump(records, f)
+            json.dump(results, f)
     destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], **dict(arg.split("=", 1) for arg in sys.argv[2:]))
+    main(*sys.argv[1:])

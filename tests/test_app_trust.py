@@ -47,15 +47,6 @@ APP = replace(CROSSBERT, name="dump.recv")  # what the sender's train.py would b
 '''
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory) -> Path:
-    """A tiny CrossBERT run: two steps, its checkpoint and its consolidated.pt."""
-    root = tmp_path_factory.mktemp("pretrained")
-    argv = tiny_argv(write_corpus(root / "data"), root / "crossbert", 2) + ["validation.every=0"]
-    train_command.train(CROSSBERT, load_config(CROSSBERT.args_cls, argv))
-    return root / "crossbert"
-
-
 def _name_app(run: Path, app: str) -> None:
     """Every checkpoint of the run and its consolidated.pt name `app`; the manifest's sizes follow, as a crafted
     folder's would."""
@@ -69,7 +60,7 @@ def _name_app(run: Path, app: str) -> None:
 
 
 @pytest.fixture
-def received(pretrained, tmp_path, monkeypatch):
+def received(tiny_crossbert, tmp_path, monkeypatch):
     """A function: the pre-trained run as received, naming `app`, at dump/recv under the folder the command runs in
     (which, as for `python -m`, is on sys.path), with the sender's train.py inside it; the modules it could import
     are forgotten afterwards."""
@@ -78,7 +69,7 @@ def received(pretrained, tmp_path, monkeypatch):
     run = tmp_path / "dump" / "recv"
 
     def receive(app: str) -> Path:
-        shutil.copytree(pretrained, run)
+        shutil.copytree(tiny_crossbert, run)
         _name_app(run, app)
         (run / "train.py").write_text(BROUGHT_ALONG.format(marker=str(tmp_path / "ran")))
         return run

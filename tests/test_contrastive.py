@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from apps.contrastive import train as contrastive
 from apps.contrastive.data import TripletDataArgs, TripletLoader, encode_texts
 from apps.contrastive.model import eq5_loss, info_nce
-from apps.crossbert.train import APP as CROSSBERT
 from lingua.app import load_model
 from lingua.args import load_config
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
@@ -19,7 +18,7 @@ from lingua.export.embedder import load_embedder
 from lingua.run_folder import RunFolder
 from lingua.train import train
 from lingua.training.resume import open_start
-from tests.conftest import WORDS, kill_after_first_checkpoint_then_restart, read_metrics, tiny_argv
+from tests.conftest import WORDS, kill_after_first_checkpoint_then_restart, read_metrics
 
 
 def test_info_nce_matches_a_hand_computed_value():
@@ -59,18 +58,6 @@ def write_triplets(path: Path, n: int, seed: int = 0, n_negatives: int = 3) -> P
     return path
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory) -> Path:
-    """A tiny CrossBERT pre-trained for a few steps (its predictor warm-starts the pooler)."""
-    from tests.conftest import write_corpus
-
-    root = tmp_path_factory.mktemp("pretrain")
-    dump = root / "crossbert"
-    args = load_config(CROSSBERT.args_cls, tiny_argv(write_corpus(root / "data"), dump, 6) + ["validation.every=0"])
-    train(CROSSBERT, args)
-    return dump
-
-
 def contrastive_argv(triplets: Path, dump_dir: Path, init_from: Path, steps: int, *extra: str) -> list[str]:
     return [f"dump_dir={dump_dir}", f"steps={steps}", f"init_from={init_from}", f"data.path={triplets}",
             "data.n_negatives=3", "data.seq_len=32", "data.batch_size=8", "optim.lr=3e-3", "optim.warmup=2",
@@ -84,12 +71,12 @@ def run_contrastive(argv: list[str]):
     return load_config(contrastive.APP.args_cls, [f"config={Path(args.dump_dir) / 'config.yaml'}"]), summary
 
 
-def test_frozen_training_moves_only_the_pooler_and_warm_starts_it_from_the_predictor(pretrained, tmp_path):
+def test_frozen_training_moves_only_the_pooler_and_warm_starts_it_from_the_predictor(tiny_crossbert, tmp_path):
     triplets = write_triplets(tmp_path / "train.jsonl", 64)
     dump = tmp_path / "probe"
-    source, _, _ = load_model(pretrained)
+    source, _, _ = load_model(tiny_crossbert)
     tiny_step = ("optim.lr=1e-9", "optim.lr_min=0", "optim.warmup=0")
-    args, _ = run_contrastive(contrastive_argv(triplets, dump, pretrained, 1, *tiny_step))
+    args, _ = run_contrastive(contrastive_argv(triplets, dump, tiny_crossbert, 1, *tiny_step))
     assert args.model.encoder.dim == 32 and args.data.tokenizer.name == "bytes"  # taken from init_from
     at_start, _, _ = load_model(dump)
     for name, value in source.predictor.state_dict().items():  # one step at lr 1e-9: still the predictor's values
@@ -97,7 +84,7 @@ def test_frozen_training_moves_only_the_pooler_and_warm_starts_it_from_the_predi
         assert torch.allclose(pooled, value, atol=1e-6), name
 
     dump_long = tmp_path / "probe_long"
-    run_contrastive(contrastive_argv(triplets, dump_long, pretrained, 10))
+    run_contrastive(contrastive_argv(triplets, dump_long, tiny_crossbert, 10))
     trained, _, _ = load_model(dump_long)
     backbone = source.backbone.state_dict()
     assert all(torch.equal(value, backbone[name]) for name, value in trained.encoder.state_dict().items())
@@ -105,8 +92,9 @@ def test_frozen_training_moves_only_the_pooler_and_warm_starts_it_from_the_predi
     assert all(not p.requires_grad for p in trained.encoder.parameters())
 
 
-def test_no_gradient_reaches_a_frozen_backbone(pretrained, tmp_path):
-    args = load_config(contrastive.APP.args_cls, contrastive_argv(tmp_path / "x.jsonl", tmp_path / "d", pretrained, 1))
+def test_no_gradient_reaches_a_frozen_backbone(tiny_crossbert, tmp_path):
+    argv = contrastive_argv(tmp_path / "x.jsonl", tmp_path / "d", tiny_crossbert, 1)
+    args = load_config(contrastive.APP.args_cls, argv)
     args = contrastive.APP.configure(args, open_start(contrastive.APP, args, RunFolder(Path(args.dump_dir)), 1))
     tokenizer = build_tokenizer(args.data.tokenizer)
     model = contrastive.APP.build_model(args.model, tokenizer)
@@ -121,15 +109,15 @@ def test_no_gradient_reaches_a_frozen_backbone(pretrained, tmp_path):
     assert model.pooler.query.grad is not None
 
 
-def test_contrastive_loss_falls_and_a_killed_run_resumes_exactly(pretrained, tmp_path):
+def test_contrastive_loss_falls_and_a_killed_run_resumes_exactly(tiny_crossbert, tmp_path):
     triplets = write_triplets(tmp_path / "train.jsonl", 200)
     straight = tmp_path / "straight"
-    run_contrastive(contrastive_argv(triplets, straight, pretrained, 30, "model.frozen=false"))
+    run_contrastive(contrastive_argv(triplets, straight, tiny_crossbert, 30, "model.frozen=false"))
     losses = read_metrics(straight)
     assert sum(losses[s]["loss"] for s in range(26, 31)) < sum(losses[s]["loss"] for s in range(1, 6))
 
     resumed = tmp_path / "resumed"
-    argv = contrastive_argv(triplets, resumed, pretrained, 30, "model.frozen=false")
+    argv = contrastive_argv(triplets, resumed, tiny_crossbert, 30, "model.frozen=false")
     kill_after_first_checkpoint_then_restart("apps.contrastive.train", argv, resumed)
     again = read_metrics(resumed)
     assert [again[s]["loss"] for s in range(1, 31)] == [losses[s]["loss"] for s in range(1, 31)]
@@ -166,11 +154,11 @@ def test_bad_triplet_lines_are_counted_and_left_out(tmp_path, caplog):
     assert str(path) in str(error.value) and "\n" not in str(error.value)
 
 
-def test_embedder_uses_the_trained_pooler_and_batching_does_not_change_vectors(pretrained, tmp_path):
+def test_embedder_uses_the_trained_pooler_and_batching_does_not_change_vectors(tiny_crossbert, tmp_path):
     dump = tmp_path / "probe"
-    run_contrastive(contrastive_argv(write_triplets(tmp_path / "t.jsonl", 64), dump, pretrained, 2))
+    run_contrastive(contrastive_argv(write_triplets(tmp_path / "t.jsonl", 64), dump, tiny_crossbert, 2))
     texts = ["the cat sat", "a dog", "the big red house by the river", "bird"]
-    for path in (dump, pretrained):
+    for path in (dump, tiny_crossbert):
         embedder = load_embedder(str(path))
         one_batch, one_by_one = embedder.encode(texts, batch_size=4), embedder.encode(texts, batch_size=1)
         assert one_batch.shape == (4, 32)
@@ -178,12 +166,13 @@ def test_embedder_uses_the_trained_pooler_and_batching_does_not_change_vectors(p
         assert torch.allclose(one_batch, one_by_one, atol=1e-5)
     pooled, mean = load_embedder(str(dump)).encode(texts), load_embedder(str(dump), pooling="mean").encode(texts)
     assert not torch.allclose(pooled, mean, atol=1e-3)
-    assert torch.allclose(mean, load_embedder(str(pretrained)).encode(texts), atol=1e-6)  # frozen: the same backbone
+    backbone = load_embedder(str(tiny_crossbert)).encode(texts)
+    assert torch.allclose(mean, backbone, atol=1e-6)  # frozen: the same backbone
     with pytest.raises(UserError, match="pooling"):
         load_embedder(str(dump), pooling="max")
 
 
-def test_the_embedding_evaluation_command_scores_retrieval_and_sts(pretrained, tmp_path, capsys):
+def test_the_embedding_evaluation_command_scores_retrieval_and_sts(tiny_crossbert, tmp_path, capsys):
     from tools.eval import embeddings
 
     beir = tmp_path / "beir"
@@ -199,25 +188,25 @@ def test_the_embedding_evaluation_command_scores_retrieval_and_sts(pretrained, t
     (sts / "mine.jsonl").write_text("".join(json.dumps({"sentence1": a, "sentence2": b, "score": s}) + "\n"
                                             for a, b, s in pairs))
     out = tmp_path / "results.json"
-    embeddings.main([f"ckpt={pretrained}", f"retrieval={beir}", f"sts={sts}", f"out={out}"])
+    embeddings.main([f"ckpt={tiny_crossbert}", f"retrieval={beir}", f"sts={sts}", f"out={out}"])
     results = json.loads(out.read_text())
     assert 0 <= results["retrieval"]["beir"]["ndcg@10"] <= 100 and results["retrieval"]["beir"]["n_docs"] == 3
     assert results["sts"]["mine"]["n_pairs"] == 3
     assert "nDCG@10" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
-        embeddings.main([f"ckpt={pretrained}"])
+        embeddings.main([f"ckpt={tiny_crossbert}"])
     assert exit_info.value.code == 2 and "nothing to evaluate" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("frozen", ["true", "false"])
-def test_two_ranks_gather_negatives_like_one_rank_with_the_whole_batch(pretrained, tmp_path, frozen):
+def test_two_ranks_gather_negatives_like_one_rank_with_the_whole_batch(tiny_crossbert, tmp_path, frozen):
     from tests.test_distributed import torchrun
 
     triplets = write_triplets(tmp_path / "train.jsonl", 64)
     one, two = tmp_path / "one", tmp_path / "two"
-    run_contrastive(contrastive_argv(triplets, one, pretrained, 3, "data.batch_size=8", f"model.frozen={frozen}"))
+    run_contrastive(contrastive_argv(triplets, one, tiny_crossbert, 3, "data.batch_size=8", f"model.frozen={frozen}"))
     torchrun("-m", "apps.contrastive.train",
-             *contrastive_argv(triplets, two, pretrained, 3, "data.batch_size=4", f"model.frozen={frozen}"))
+             *contrastive_argv(triplets, two, tiny_crossbert, 3, "data.batch_size=4", f"model.frozen={frozen}"))
     single, double = read_metrics(one), read_metrics(two)
     for step in (1, 2, 3):  # each query sees the same 8 x 4 passages, the gradient is the same mean
         assert double[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-4)
@@ -232,9 +221,9 @@ def test_the_shipped_configs_load_and_msmarco_is_the_papers_setting():
     assert paper.steps == 502_939 // 512  # one epoch of MS MARCO's queries
 
 
-def test_a_run_trains_with_eq5_as_written(pretrained, tmp_path):
+def test_a_run_trains_with_eq5_as_written(tiny_crossbert, tmp_path):
     triplets = write_triplets(tmp_path / "train.jsonl", 32)
-    _, summary = run_contrastive(contrastive_argv(triplets, tmp_path / "eq5", pretrained, 3, "model.loss=eq5"))
+    _, summary = run_contrastive(contrastive_argv(triplets, tmp_path / "eq5", tiny_crossbert, 3, "model.loss=eq5"))
     assert summary["steps"] == 3 and math.isfinite(summary["final_loss"])
 
 

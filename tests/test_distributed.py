@@ -14,7 +14,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ENV, REPO, end, read_metrics, run_to_the_end, running, start, tagged_processes, tiny_argv
+from conftest import (
+    ENV,
+    LONG_RUN_STEPS,
+    REPO,
+    end,
+    long_run_argv,
+    read_metrics,
+    run_to_the_end,
+    running,
+    start,
+    tagged_processes,
+    tiny_argv,
+)
 
 from apps import registered_apps
 from apps.bert.train import APP as BERT
@@ -37,14 +49,24 @@ def torchrun(*args, procs=2, check=True, timeout=300) -> subprocess.CompletedPro
     return result
 
 
-def steps(tmp_path: Path, name: str, *options, procs=1) -> list[dict]:
-    """Per-step loss and gradient norm of tests/fsdp_steps.py."""
-    out = tmp_path / f"{name}.json"
-    if procs == 1:
-        subprocess.run([sys.executable, "tests/fsdp_steps.py", out, *options], cwd=REPO, env=ENV, check=True)
-    else:
-        torchrun("tests/fsdp_steps.py", out, *options, procs=procs)
-    return json.loads(out.read_text())
+APPS = ("bert", "crossbert")
+FSDP_TYPES = ("full_shard", "no_shard", "hybrid_shard")
+ON_ONE_PROCESS = [*(f"app={app} grad_acc=2" for app in APPS), *(f"app={app}" for app in APPS),
+                  "app=crossbert ac=full", "app=crossbert ac=selective"]
+ON_TWO_PROCESSES = [*(f"app={app} grad_acc=2 fsdp_type={fsdp_type}" for app in APPS for fsdp_type in FSDP_TYPES),
+                    *(f"app={app} bf16=true" for app in APPS), "app=crossbert",
+                    "app=crossbert compile=true ac=selective"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_steps(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
+    """Per-step loss and gradient norm of tests/fsdp_steps.py, by number of processes and configuration: every
+    configuration the tests below compare, in one launch on one process and one torchrun launch on two."""
+    folder = tmp_path_factory.mktemp("fsdp_steps")
+    subprocess.run([sys.executable, "tests/fsdp_steps.py", folder / "one.json", *ON_ONE_PROCESS], cwd=REPO, env=ENV,
+                   check=True)
+    torchrun("tests/fsdp_steps.py", folder / "two.json", *ON_TWO_PROCESSES, timeout=600)
+    return {1: json.loads((folder / "one.json").read_text()), 2: json.loads((folder / "two.json").read_text())}
 
 
 def assert_close(a: list[dict], b: list[dict], rel: float) -> None:
@@ -53,36 +75,30 @@ def assert_close(a: list[dict], b: list[dict], rel: float) -> None:
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=rel)
 
 
-@pytest.mark.parametrize("app", ["bert", "crossbert"])
-def test_two_ranks_match_one_rank_with_the_whole_batch(tmp_path, app):
+@pytest.mark.parametrize("app", APPS)
+def test_two_ranks_match_one_rank_with_the_whole_batch(fsdp_steps, app):
     """Same global rows and masks: FSDP over 2 ranks (full, replicated, hybrid; with gradient accumulation) gives
     the losses and gradient norms of one process."""
-    one = steps(tmp_path, "one", f"app={app}", "grad_acc=2")
-    for fsdp_type in ("full_shard", "no_shard", "hybrid_shard"):
-        assert_close(steps(tmp_path, fsdp_type, f"app={app}", "grad_acc=2", f"fsdp_type={fsdp_type}", procs=2), one,
-                     rel=1e-5)
+    one = fsdp_steps[1][f"app={app} grad_acc=2"]
+    for fsdp_type in FSDP_TYPES:
+        assert_close(fsdp_steps[2][f"app={app} grad_acc=2 fsdp_type={fsdp_type}"], one, rel=1e-5)
 
 
-@pytest.mark.parametrize("app", ["bert", "crossbert"])
-def test_fsdp_bf16_mixed_precision_under_gloo_follows_fp32(tmp_path, app):
+@pytest.mark.parametrize("app", APPS)
+def test_fsdp_bf16_mixed_precision_under_gloo_follows_fp32(fsdp_steps, app):
     """FSDP2's bf16 policy (parameters gathered in bf16, gradients reduced in fp32: the GPUs'), on two CPU ranks."""
-    fp32 = steps(tmp_path, "fp32", f"app={app}")
-    bf16 = steps(tmp_path, "bf16", f"app={app}", "bf16=true", procs=2)
+    fp32, bf16 = fsdp_steps[1][f"app={app}"], fsdp_steps[2][f"app={app} bf16=true"]
     assert_close(bf16, fp32, rel=3e-2)
     assert any(abs(a["grad_norm"] / b["grad_norm"] - 1) > 1e-5 for a, b in zip(bf16, fp32))  # bf16 was in force
 
 
-def test_activation_checkpointing_keeps_the_gradients(tmp_path):
-    plain = steps(tmp_path, "plain", "app=crossbert")
+def test_activation_checkpointing_keeps_the_gradients(fsdp_steps):
     for mode in ("full", "selective"):
-        assert_close(steps(tmp_path, mode, "app=crossbert", f"ac={mode}"), plain, rel=1e-6)
+        assert_close(fsdp_steps[1][f"app=crossbert ac={mode}"], fsdp_steps[1]["app=crossbert"], rel=1e-6)
 
 
-@pytest.mark.slow
-def test_compiled_blocks_under_fsdp_match_eager(tmp_path):
-    eager = steps(tmp_path, "eager", "app=crossbert", procs=2)
-    assert_close(steps(tmp_path, "compiled", "app=crossbert", "compile=true", "ac=selective", procs=2), eager,
-                 rel=1e-4)
+def test_compiled_blocks_under_fsdp_match_eager(fsdp_steps):
+    assert_close(fsdp_steps[2]["app=crossbert compile=true ac=selective"], fsdp_steps[2]["app=crossbert"], rel=1e-4)
 
 
 def _train_argv(corpus: Path, dump: Path, steps: int, *extra) -> list[str]:
@@ -295,13 +311,12 @@ def test_a_data_file_that_shrinks_under_a_run_stops_every_rank_in_one_line(corpu
     assert "under the running job" in err and "]: Traceback" not in err
 
 
-def test_an_elastic_restart_continues_from_the_newest_checkpoint(corpus, tmp_path):
+def test_an_elastic_restart_continues_from_the_newest_checkpoint(corpus, tmp_path, long_run_on_two_processes):
     """torchrun --max-restarts: a worker killed mid-run is restarted with the other, and the run resumes by itself
     with the losses of an uninterrupted run."""
-    reference, restarted = tmp_path / "reference", tmp_path / "restarted"
-    torchrun("-m", "apps.bert.train", *_train_argv(corpus, reference, 100, "checkpoint.every=5"))
+    restarted = tmp_path / "restarted"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "-m", "apps.bert.train", *_train_argv(corpus, restarted, 100, "checkpoint.every=5")]
+           "-m", "apps.bert.train", *long_run_argv(corpus, restarted)]
     proc = start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     checkpoints = CheckpointManager(restarted / "checkpoints", CheckpointArgs())
     try:
@@ -312,9 +327,9 @@ def test_an_elastic_restart_continues_from_the_newest_checkpoint(corpus, tmp_pat
         end(proc)
     assert proc.returncode == 0, err[-3000:]
     assert "resumed from" in (restarted / "train.log").read_text()
-    expected, got = read_metrics(reference), read_metrics(restarted)
-    assert sorted(got) == list(range(1, 101))
-    assert all(got[s]["loss"] == expected[s]["loss"] for s in got)
+    got = read_metrics(restarted)
+    assert sorted(got) == list(range(1, LONG_RUN_STEPS + 1))
+    assert all(got[s]["loss"] == long_run_on_two_processes[s]["loss"] for s in got)
 
 
 def test_sigterm_ends_a_start_up_that_waits_for_the_other_ranks(corpus, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import end, read_metrics, start, tiny_argv
+from conftest import end, read_metrics, start, tiny_argv, write_corpus
 from torch.distributed.checkpoint import FileSystemWriter
 
 from apps.bert.train import APP as BERT
@@ -152,10 +152,19 @@ def damage(file: Path, how: str) -> None:
         file.write_bytes(bytes(data))
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(the tiny corpus, a finished 20-step BERT run on it: checkpoints 10 and 20), trained once for the module;
+    the tests damage copies of it."""
+    root = tmp_path_factory.mktemp("finished_run")
+    corpus, full = write_corpus(root / "data"), root / "full"
+    loop.train(BERT, load_config(BERT.args_cls, tiny_argv(corpus, full, steps=20)))
+    return corpus, full
+
+
 @pytest.mark.parametrize("name, how", DAMAGE)
-def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(corpus, tmp_path, capsys, name, how):
-    full, damaged = tmp_path / "full", tmp_path / "damaged"
-    run_main(tiny_argv(corpus, full, steps=20), capsys)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(finished_run, tmp_path, capsys, name, how):
+    (corpus, full), damaged = finished_run, tmp_path / "damaged"
     shutil.copytree(full, damaged)
     (damaged / "consolidated.pt").unlink()
     damage(damaged / "checkpoints" / "0000000020" / name, how)

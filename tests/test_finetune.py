@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from apps.crossbert.train import APP as CROSSBERT
 from apps.finetune import train as finetune
 from apps.finetune.data import GlueDataArgs, GlueLoader, check_splits, decode_labels, label_codes, read_split
 from apps.finetune.train import FinetuneTrainArgs
@@ -28,18 +27,6 @@ from tests.conftest import REPO, kill_after_first_checkpoint_then_restart, read_
 from tools.finetune import sweep, table
 
 FIXTURES = Path(__file__).parent / "fixtures" / "glue"
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory) -> Path:
-    """A tiny CrossBERT pre-trained for a few steps (its predictor warm-starts the attention pooler)."""
-    from tests.conftest import write_corpus
-
-    root = tmp_path_factory.mktemp("pretrain")
-    args = load_config(CROSSBERT.args_cls, tiny_argv(write_corpus(root / "data"), root / "crossbert", 6)
-                       + ["validation.every=0"])
-    train(CROSSBERT, args)
-    return root / "crossbert"
 
 
 def finetune_argv(dump_dir: Path, init_from: Path, task: str, *extra: str, data: Path = FIXTURES) -> list[str]:
@@ -111,8 +98,8 @@ def test_batches_are_padded_to_their_longest_example_and_resume_on_other_world_s
 
 
 @pytest.mark.parametrize("task", list(TASKS))
-def test_every_task_trains_on_the_fixture_files(pretrained, tmp_path, task):
-    config, summary = run_finetune(finetune_argv(tmp_path / task, pretrained, task, "epochs=6"))
+def test_every_task_trains_on_the_fixture_files(tiny_crossbert, tmp_path, task):
+    config, summary = run_finetune(finetune_argv(tmp_path / task, tiny_crossbert, task, "epochs=6"))
     losses = read_metrics(tmp_path / task)
     steps = sorted(losses)
     assert summary["steps"] == config.steps == 6 * config.validation.every and config.validation.every >= 2
@@ -124,12 +111,12 @@ def test_every_task_trains_on_the_fixture_files(pretrained, tmp_path, task):
 
 
 @pytest.mark.parametrize("pooling", ["mean", "first", "attention"])
-def test_poolings_and_the_predictors_warm_start(pretrained, tmp_path, pooling):
+def test_poolings_and_the_predictors_warm_start(tiny_crossbert, tmp_path, pooling):
     dump = tmp_path / pooling
-    config, _ = run_finetune(finetune_argv(dump, pretrained, "sst2", f"model.pooling={pooling}", "epochs=1",
+    config, _ = run_finetune(finetune_argv(dump, tiny_crossbert, "sst2", f"model.pooling={pooling}", "epochs=1",
                                            "optim.lr=1e-9"))
     model, _, _ = load_model(dump)
-    source, _, _ = load_model(pretrained)
+    source, _, _ = load_model(tiny_crossbert)
     assert all(torch.allclose(v, source.encoder.state_dict()[k], atol=1e-6)
                for k, v in model.encoder.state_dict().items())
     tokens = torch.tensor([[1, 5, 6, 7, 2, 0]])
@@ -147,7 +134,7 @@ def test_poolings_and_the_predictors_warm_start(pretrained, tmp_path, pooling):
 
 
 @pytest.mark.parametrize("source", ["bert", "electra", "contrastive"])
-def test_every_kind_of_run_starts_a_fine_tuning(pretrained, tmp_path, source):
+def test_every_kind_of_run_starts_a_fine_tuning(tiny_crossbert, tmp_path, source):
     """The backbone of BERT, ELECTRA (its discriminator) and a contrastive run (with its trained pooler)."""
     from apps.bert.train import APP as BERT
     from apps.contrastive import train as contrastive
@@ -157,7 +144,7 @@ def test_every_kind_of_run_starts_a_fine_tuning(pretrained, tmp_path, source):
 
     dump = tmp_path / source
     if source == "contrastive":
-        argv = contrastive_argv(write_triplets(tmp_path / "t.jsonl", 16), dump, pretrained, 2, "model.frozen=false")
+        argv = contrastive_argv(write_triplets(tmp_path / "t.jsonl", 16), dump, tiny_crossbert, 2, "model.frozen=false")
         train(contrastive.APP, load_config(contrastive.APP.args_cls, argv))
     else:
         app = {"bert": BERT, "electra": ELECTRA}[source]
@@ -171,14 +158,14 @@ def test_every_kind_of_run_starts_a_fine_tuning(pretrained, tmp_path, source):
         assert torch.allclose(tuned.pooler.query, source_model.pooler.query, atol=1e-6)
 
 
-def test_a_cold_attention_pooler_when_the_source_offers_no_warm_start(pretrained, tmp_path):
-    config, _ = run_finetune(finetune_argv(tmp_path / "cold", pretrained, "rte", "model.pooling=attention",
+def test_a_cold_attention_pooler_when_the_source_offers_no_warm_start(tiny_crossbert, tmp_path):
+    config, _ = run_finetune(finetune_argv(tmp_path / "cold", tiny_crossbert, "rte", "model.pooling=attention",
                                            "model.pooler.warm_start=false", "model.pooler.n_layers=2", "epochs=1"))
     assert config.model.pooler.n_layers == 2
 
 
-def test_rte_starts_from_the_best_mnli_run(pretrained, tmp_path):
-    run_finetune(finetune_argv(tmp_path / "mnli", pretrained, "mnli", "model.pooling=attention"))
+def test_rte_starts_from_the_best_mnli_run(tiny_crossbert, tmp_path):
+    run_finetune(finetune_argv(tmp_path / "mnli", tiny_crossbert, "mnli", "model.pooling=attention"))
     mnli, _, _ = load_model(tmp_path / "mnli" / "best.pt")
     config, _ = run_finetune(finetune_argv(tmp_path / "rte", tmp_path / "mnli" / "best.pt", "rte",
                                            "model.pooling=attention", "epochs=1", "optim.lr=1e-9"))
@@ -187,12 +174,12 @@ def test_rte_starts_from_the_best_mnli_run(pretrained, tmp_path):
     for part in ("encoder", "pooler"):
         saved = getattr(mnli, part).state_dict()
         assert all(torch.allclose(v, saved[k], atol=1e-6) for k, v in getattr(rte, part).state_dict().items()), part
-    assert config.origin == str(Checkpoint.open(pretrained).path)  # through the MNLI run, to the pre-training
+    assert config.origin == str(Checkpoint.open(tiny_crossbert).path)  # through the MNLI run, to the pre-training
 
 
-def test_the_best_epoch_is_kept(pretrained, tmp_path):
+def test_the_best_epoch_is_kept(tiny_crossbert, tmp_path):
     dump = tmp_path / "run"
-    run_finetune(finetune_argv(dump, pretrained, "cola", "epochs=5", "checkpoint.keep=0"))
+    run_finetune(finetune_argv(dump, tiny_crossbert, "cola", "epochs=5", "checkpoint.keep=0"))
     records = validations(dump)
     best = max(records, key=lambda r: r["val/score"])  # the first of equal scores: a later tie is no improvement
     assert json.loads((dump / "best.json").read_text()) == best
@@ -201,8 +188,8 @@ def test_the_best_epoch_is_kept(pretrained, tmp_path):
     assert all(torch.equal(v, at_best.state_dict()[k]) for k, v in kept.state_dict().items())
 
 
-def test_a_killed_run_resumes_exactly(pretrained, tmp_path):
-    argv = finetune_argv(tmp_path / "straight", pretrained, "sst2", "epochs=8")
+def test_a_killed_run_resumes_exactly(tiny_crossbert, tmp_path):
+    argv = finetune_argv(tmp_path / "straight", tiny_crossbert, "sst2", "epochs=8")
     run_finetune(argv)
     resumed = tmp_path / "resumed"
     kill_after_first_checkpoint_then_restart("apps.finetune.train", [
@@ -213,11 +200,11 @@ def test_a_killed_run_resumes_exactly(pretrained, tmp_path):
     assert (resumed / "best.json").read_text() == (tmp_path / "straight" / "best.json").read_text()
 
 
-def test_two_ranks_match_one_rank_with_the_whole_batch(pretrained, tmp_path):
-    one = finetune_argv(tmp_path / "one", pretrained, "stsb", "data.batch_size=4", "epochs=2")
+def test_two_ranks_match_one_rank_with_the_whole_batch(tiny_crossbert, tmp_path):
+    one = finetune_argv(tmp_path / "one", tiny_crossbert, "stsb", "data.batch_size=4", "epochs=2")
     done = run_to_the_end([sys.executable, "-m", "apps.finetune.train", *one])
     assert done.returncode == 0, done.stderr[-3000:]
-    two = finetune_argv(tmp_path / "two", pretrained, "stsb", "data.batch_size=2", "epochs=2")
+    two = finetune_argv(tmp_path / "two", tiny_crossbert, "stsb", "data.batch_size=2", "epochs=2")
     done = run_to_the_end([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                            "-m", "apps.finetune.train", *two])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -240,7 +227,7 @@ def _error(argv: list[str], capsys) -> str:
     return lines[0]
 
 
-def test_bad_inputs_are_one_line(pretrained, tmp_path, capsys):
+def test_bad_inputs_are_one_line(tiny_crossbert, tmp_path, capsys):
     glue = tmp_path / "glue"
     shutil.copytree(FIXTURES, glue)
     (glue / "QNLI" / "train.tsv").unlink()
@@ -264,7 +251,7 @@ def test_bad_inputs_are_one_line(pretrained, tmp_path, capsys):
         "grad_acc_steps=2": "grad_acc_steps",
     }
     for override, message in cases.items():
-        argv = finetune_argv(tmp_path / "run", pretrained, "sst2", data=glue) + [override]
+        argv = finetune_argv(tmp_path / "run", tiny_crossbert, "sst2", data=glue) + [override]
         assert message in _error(argv, capsys), override
     assert not (tmp_path / "run").exists()  # nothing was started
 
@@ -278,8 +265,8 @@ def test_help(module, key):
     assert done.returncode == 0 and key in done.stdout
 
 
-def test_a_resume_on_another_number_of_processes_is_refused(pretrained, tmp_path):
-    argv = finetune_argv(tmp_path / "run", pretrained, "rte", "epochs=1")
+def test_a_resume_on_another_number_of_processes_is_refused(tiny_crossbert, tmp_path):
+    argv = finetune_argv(tmp_path / "run", tiny_crossbert, "rte", "epochs=1")
     run_finetune(argv)
     with pytest.raises(UserError, match="started with 4 steps an epoch, here 2: resume it on as many processes"):
         args = load_config(finetune.APP.args_cls, argv + ["data.batch_size=8"])  # as 2 of 4
@@ -299,7 +286,7 @@ def test_malformed_lines_are_reported_by_the_runs_reads_not_by_the_start_check(t
     assert caplog.text.count("skipped 1 malformed lines") == 1
 
 
-def test_init_from_is_opened_once_and_configure_reads_no_file(pretrained, tmp_path, monkeypatch):
+def test_init_from_is_opened_once_and_configure_reads_no_file(tiny_crossbert, tmp_path, monkeypatch):
     """The start opens init_from once (its shapes, config and weights), and not at all for a resumed run; configure
     decides from the start alone, so it gives the same config with init_from and the GLUE files gone, for a new run
     and for a resumed one."""
@@ -307,7 +294,7 @@ def test_init_from_is_opened_once_and_configure_reads_no_file(pretrained, tmp_pa
     monkeypatch.setattr(Checkpoint, "open", classmethod(lambda cls, path, app=None: opened.append(Path(path)) or
                                                         original(cls, path, app)))
     source, glue = tmp_path / "source", tmp_path / "glue"
-    shutil.copytree(pretrained, source)
+    shutil.copytree(tiny_crossbert, source)
     shutil.copytree(FIXTURES, glue)
     argv = finetune_argv(tmp_path / "run", source, "rte", "epochs=1", data=glue)
     config, _ = run_finetune(argv)
@@ -339,12 +326,12 @@ def _made_up_run(folder: Path, model: Path, task: str, lr: float, seed: int, sco
     (folder / "consolidated.pt").write_bytes(b"")  # finished
 
 
-def test_the_table_takes_the_median_over_seeds_at_the_best_learning_rate(pretrained, tmp_path):
+def test_the_table_takes_the_median_over_seeds_at_the_best_learning_rate(tiny_crossbert, tmp_path):
     scores = {("rte", 1e-4): [50.0, 70.0, 60.0], ("rte", 3e-5): [65.0, 64.0, 10.0], ("cola", 1e-4): [20.0]}
     for (task, lr), values in scores.items():
         for seed, score in enumerate(values):
-            _made_up_run(tmp_path / f"{task}_{lr}_{seed}", pretrained, task, lr, seed, score)
-    _made_up_run(tmp_path / "unfinished", pretrained, "sst2", 1e-4, 0, 90.0)
+            _made_up_run(tmp_path / f"{task}_{lr}_{seed}", tiny_crossbert, task, lr, seed, score)
+    _made_up_run(tmp_path / "unfinished", tiny_crossbert, "sst2", 1e-4, 0, 90.0)
     (tmp_path / "unfinished" / "consolidated.pt").unlink()  # best.json is written at every new best
     results, unfinished = table.read_results([tmp_path])
     assert len(results) == 7 and unfinished == [tmp_path / "unfinished"]
@@ -366,11 +353,11 @@ def test_the_table_command_prints_the_paper_row_for_a_paper_shaped_model(tmp_pat
     assert "86.6" not in out and "Metrics (dev, in %): RTE accuracy." in out and (tmp_path / "table.md").exists()
 
 
-def test_the_sweep_file_and_the_mnli_start(pretrained, tmp_path):
+def test_the_sweep_file_and_the_mnli_start(tiny_crossbert, tmp_path):
     mnli = tmp_path / "mnli_sweep"
     for seed, score in enumerate([80.0, 82.0]):
-        _made_up_run(mnli / f"mnli_{seed}", pretrained, "mnli", 2e-5, seed, score)
-    args = sweep.SweepArgs(init_from=str(pretrained), dump_dir=str(tmp_path / "sw"), data=str(FIXTURES),
+        _made_up_run(mnli / f"mnli_{seed}", tiny_crossbert, "mnli", 2e-5, seed, score)
+    args = sweep.SweepArgs(init_from=str(tiny_crossbert), dump_dir=str(tmp_path / "sw"), data=str(FIXTURES),
                            tasks=["rte", "sst2"], lrs=[1e-5, 2e-5], seeds=[0, 1], mnli_from=str(mnli))
     runs = sweep.sweep_spec(args)["runs"]
     assert [r["name"] for r in runs] == [f"{task}_lr{lr}_seed{seed}" for task in ("rte", "sst2")
@@ -382,8 +369,8 @@ def test_the_sweep_file_and_the_mnli_start(pretrained, tmp_path):
         sweep.sweep_spec(args)
 
 
-def test_the_sweep_runs_through_stool_and_the_table_collects_it(pretrained, tmp_path, capsys):
-    sweep.main([f"init_from={pretrained}", f"dump_dir={tmp_path / 'sw'}", f"data={FIXTURES}", "tasks=stsb",
+def test_the_sweep_runs_through_stool_and_the_table_collects_it(tiny_crossbert, tmp_path, capsys):
+    sweep.main([f"init_from={tiny_crossbert}", f"dump_dir={tmp_path / 'sw'}", f"data={FIXTURES}", "tasks=stsb",
                 "lrs=1e-3", "seeds=0,1", "epochs=1", "run_config=apps/finetune/configs/debug.yaml",
                 "run_overrides=data.seq_len=32,data.batch_size=4", "cluster=local"])
     table.main([str(tmp_path / "sw")])

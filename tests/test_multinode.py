@@ -17,13 +17,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ENV, end, read_metrics, run_to_the_end, running, start, tagged_processes, tiny_argv, write_corpus
+from conftest import (
+    ENV,
+    LONG_RUN_STEPS,
+    end,
+    long_run_argv,
+    read_metrics,
+    run_to_the_end,
+    running,
+    start,
+    tagged_processes,
+    write_corpus,
+)
 
 from lingua.checkpoint.store import CheckpointArgs, CheckpointManager
 
 PREFIX = "lingua-mn"  # namespaces are PREFIX-PID-NODE: PID is the pytest process that made them
 ADDRESSES = ("10.231.0.1", "10.231.0.2")  # the veth ends' addresses, inside the namespaces only
-STEPS = 100  # long enough that a node killed after the first checkpoint (step 5) dies mid-training
 PORTS = itertools.count(29400)  # each job's rendezvous port on node 0: no job waits for the last one's to close
 
 
@@ -200,21 +210,9 @@ def _standalone(argv: list[str], procs: int) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def _argv(data: Path, dump: Path, steps: int = STEPS, *extra: str) -> list[str]:
-    return [*tiny_argv(data, dump, steps), "checkpoint.every=5", "validation.every=20", *extra]
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("multinode") / "data")
-
-
-@pytest.fixture(scope="module")
-def reference(data, tmp_path_factory) -> dict[int, dict]:
-    """The metrics of the run that the two nodes make, on one machine: `torchrun --standalone`, 2 processes."""
-    dump = tmp_path_factory.mktemp("reference") / "run"
-    _standalone(_argv(data, dump), procs=2)
-    return read_metrics(dump)
 
 
 def _same_losses(got: dict[int, dict], expected: dict[int, dict], steps) -> bool:
@@ -222,22 +220,22 @@ def _same_losses(got: dict[int, dict], expected: dict[int, dict], steps) -> bool
                for s in steps)
 
 
-def test_two_nodes_train_as_two_processes_on_one_machine(nodes, data, reference, tmp_path):
+def test_two_nodes_train_as_two_processes_on_one_machine(nodes, data, long_run_on_two_processes, tmp_path):
     """One rank on each node, gloo over the veth: every step's loss and gradient norm are those of the same job in
     two processes of one machine (gloo sums two ranks' values in either order to the same bits)."""
     dump = tmp_path / "run"
-    assert _train(nodes, tmp_path / "job", _argv(data, dump)) == [[0], [1]]
+    assert _train(nodes, tmp_path / "job", long_run_argv(data, dump)) == [[0], [1]]
     assert "on 2 process(es) (torchrun, cpu, full_shard)" in (dump / "train.log").read_text()
     got = read_metrics(dump)
-    assert sorted(got) == list(range(1, STEPS + 1)) and _same_losses(got, reference, got)
+    assert sorted(got) == list(range(1, LONG_RUN_STEPS + 1)) and _same_losses(got, long_run_on_two_processes, got)
 
 
 def test_hybrid_shard_replicates_across_nodes_and_resumes_on_one(nodes, data, tmp_path):
     """2 nodes x 2 processes under hybrid_shard: shard groups of one node's processes (shard_size 0), so the
     replicate dimension spans the nodes. Its step-10 checkpoint resumes on one machine in the same 2 x 2 mesh and
     continues with the losses the two nodes logged."""
-    dump, argv = tmp_path / "run", _argv(data, tmp_path / "run", 20, "checkpoint.every=10",
-                                         "distributed.fsdp_type=hybrid_shard")
+    dump, argv = tmp_path / "run", long_run_argv(data, tmp_path / "run", 20, "checkpoint.every=10",
+                                                 "distributed.fsdp_type=hybrid_shard")
     assert _train(nodes, tmp_path / "job", argv, procs=2) == [[0, 1], [2, 3]]  # mesh rows [0, 1] and [2, 3]
     assert "on 4 process(es) (torchrun, cpu, hybrid_shard)" in (dump / "train.log").read_text()
     two_nodes = read_metrics(dump)
@@ -245,20 +243,21 @@ def test_hybrid_shard_replicates_across_nodes_and_resumes_on_one(nodes, data, tm
     shutil.copytree(dump, resumed)
     shutil.rmtree(resumed / "checkpoints" / "0000000020")
     (resumed / "consolidated.pt").unlink()
-    _standalone(_argv(data, resumed, 20, "checkpoint.every=10", "distributed.fsdp_type=hybrid_shard",
-                      "distributed.shard_size=2"), procs=4)
+    _standalone(long_run_argv(data, resumed, 20, "checkpoint.every=10", "distributed.fsdp_type=hybrid_shard",
+                              "distributed.shard_size=2"), procs=4)
     assert f"resumed from {resumed / 'checkpoints' / '0000000010'}" in (resumed / "train.log").read_text()
     got = read_metrics(resumed)
     assert sorted(got) == list(range(1, 21)) and _same_losses(got, two_nodes, range(11, 21))
 
 
-def test_a_lost_node_ends_the_job_in_one_line_and_a_new_job_resumes_exactly(nodes, data, reference, tmp_path):
+def test_a_lost_node_ends_the_job_in_one_line_and_a_new_job_resumes_exactly(nodes, data, long_run_on_two_processes,
+                                                                              tmp_path):
     """Node 1 (its agent and worker) is SIGKILLed mid-training: node 0's worker ends in one line (status 2) within
     seconds and its agent with it. The same job again, on both nodes, continues from the newest checkpoint: each
     step is in metrics.jsonl once, with the losses of an uninterrupted run."""
     dump = tmp_path / "run"
     checkpoints = CheckpointManager(dump / "checkpoints", CheckpointArgs())
-    job = Job(nodes, tmp_path / "killed", _argv(data, dump))
+    job = Job(nodes, tmp_path / "killed", long_run_argv(data, dump))
     try:
         _wait_for(lambda: checkpoints.latest() is not None or job.agents[0].poll() is not None)
         killed = time.time()
@@ -274,11 +273,11 @@ def test_a_lost_node_ends_the_job_in_one_line_and_a_new_job_resumes_exactly(node
     assert "exitcode  : 2" in err and "]: Traceback" not in err  # torchrun's report of its worker's status
     assert job.agents[0].returncode != 0 and ended_after < 10, ended_after
     newest = checkpoints.latest()
-    assert 5 <= int(newest.name) < STEPS
+    assert 5 <= int(newest.name) < LONG_RUN_STEPS
 
-    _train(nodes, tmp_path / "again", _argv(data, dump))
+    _train(nodes, tmp_path / "again", long_run_argv(data, dump))
     assert f"resumed from {newest}" in (dump / "train.log").read_text()
     lines = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     steps = [record["step"] for record in lines if "loss" in record]
-    assert steps == list(range(1, STEPS + 1))
-    assert _same_losses(read_metrics(dump), reference, steps)
+    assert steps == list(range(1, LONG_RUN_STEPS + 1))
+    assert _same_losses(read_metrics(dump), long_run_on_two_processes, steps)

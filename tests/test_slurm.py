@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from lingua.jobs.launcher import CODE_PACKAGES
-from tests.conftest import REPO, read_metrics, tiny_argv
+from tests.conftest import REPO, end, read_metrics, start, tiny_argv
 
 SMALL_JOB = ["cpus_per_task=1", "mem_gb_per_task=1", "time=10"]
 
@@ -127,17 +127,23 @@ def test_the_preemption_signal_saves_requeues_and_resumes_exactly(slurm_cluster,
     job = job_id(dump)
     wait_for(lambda: (dump / "metrics.jsonl").exists() and len(steps_logged(dump)) >= 20, what="step 20")
     slurm_cluster.run("scancel", "--signal=USR2", job)
-    assert slurm_cluster.wait_final(job, timeout=240) == "COMPLETED", log(dump)
+    reference = tmp_path / "reference"  # the run never stopped, trained here while the job is requeued
+    uninterrupted_run = start([sys.executable, "-m", "apps.bert.train", *run_argv(corpus, reference, steps),
+                               "checkpoint.every=1000", "validation.every=0"],
+                              {k: v for k, v in slurm_cluster.env.items() if not k.startswith("SLURM")},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert slurm_cluster.wait_final(job, timeout=240) == "COMPLETED", log(dump)
+        _, err = uninterrupted_run.communicate(timeout=240)
+    finally:
+        end(uninterrupted_run)
+    assert uninterrupted_run.returncode == 0, err[-3000:]
     attempts = slurm_cluster.run("sacct", "-j", job, "-D", "-X", "-n", "-P", "-o", "State").split()
     assert attempts[0] == "REQUEUED" and attempts[-1] == "COMPLETED", attempts
     assert steps_logged(dump) == list(range(1, steps + 1))
     saved = sorted(int(p.name) for p in (dump / "checkpoints").iterdir() if p.name.isdigit())
     assert 20 <= saved[0] < steps  # the save at the signal (besides the last step's)
 
-    reference = tmp_path / "reference"
-    subprocess.run([sys.executable, "-m", "apps.bert.train", *run_argv(corpus, reference, steps),
-                    "checkpoint.every=1000", "validation.every=0"], cwd=REPO, check=True, capture_output=True,
-                   env={k: v for k, v in slurm_cluster.env.items() if not k.startswith("SLURM")})
     resumed, uninterrupted = read_metrics(dump), read_metrics(reference)
     assert [resumed[s]["loss"] for s in range(1, steps + 1)] == pytest.approx(
         [uninterrupted[s]["loss"] for s in range(1, steps + 1)], rel=1e-5)

@@ -21,7 +21,7 @@ from lingua.data.loader import ValidationRows
 from lingua.distributed import Launch
 from lingua.errors import UserError
 from lingua.parallel import parallelize
-from lingua.train import TrainArgs, train
+from lingua.train import TrainArgs, main, train
 from lingua.training.validation import GLUE_PROBES, EvaluationKind, ValidationArgs, validate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,9 +31,17 @@ def run(argv):
     return train(APP, load_config(APP.args_cls, argv))
 
 
-def test_loss_falls_and_run_artifacts(corpus, tmp_path):
-    dump = tmp_path / "run"
-    summary = run(tiny_argv(corpus, dump, steps=40))
+@pytest.fixture(scope="module")
+def forty_steps(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(the tiny corpus, a finished 40-step run on it, its summary), trained once for the module; tests that resume
+    or change it work on a copy."""
+    root = tmp_path_factory.mktemp("forty_steps")
+    corpus, dump = write_corpus(root / "data"), root / "run"
+    return corpus, dump, run(tiny_argv(corpus, dump, steps=40))
+
+
+def test_loss_falls_and_run_artifacts(forty_steps):
+    _, dump, summary = forty_steps
     losses = [m["loss"] for m in read_metrics(dump).values()]
     assert summary["steps"] == 40 and len(losses) == 40
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
@@ -63,10 +71,9 @@ def test_an_apps_parallelism_plan_is_the_one_trained(corpus, tmp_path, monkeypat
     assert summary["steps"] == 2 and planned == [("Bert", "full_shard", 1)]
 
 
-def test_exact_resume(corpus, tmp_path):
+def test_exact_resume(forty_steps, tmp_path):
     """A run resumed from its step-20 checkpoint reproduces the uninterrupted run's losses exactly."""
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    run(tiny_argv(corpus, full, steps=40))
+    (corpus, full, _), resumed = forty_steps, tmp_path / "resumed"
     shutil.copytree(full, resumed)
     for later in ("0000000030", "0000000040"):
         shutil.rmtree(resumed / "checkpoints" / later)
@@ -126,11 +133,19 @@ def test_exported_model_encodes(corpus, tmp_path):
         (["data.seq_len=64"], "exceeds model.encoder.max_seqlen"),
     ],
 )
-def test_user_errors_are_one_line(corpus, tmp_path, extra, message):
-    argv = tiny_argv(corpus, tmp_path / "run", steps=2) + extra
+def test_user_errors_are_one_line(corpus, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(APP, tiny_argv(corpus, tmp_path / "run", steps=2) + extra)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_command_line_says_a_user_error_in_one_line(corpus, tmp_path):
+    """The same as above through `python -m` (the messages themselves are checked in-process above)."""
+    argv = tiny_argv(corpus, tmp_path / "run", steps=2) + ["model.encoder.dimm=3"]
     proc = subprocess.run([sys.executable, "-m", "apps.bert.train", *argv], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert "unknown config key 'model.encoder.dimm'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_gradient_accumulation_matches_a_full_batch(corpus, tmp_path):
