@@ -11,11 +11,29 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+
+# pytest-xdist runs a worker per core (pyproject.toml), so each worker's torch, and the processes it starts, get
+# their share of the cores (one each with -n auto): more threads would oversubscribe them, and a test that compares a
+# run in this process with one in a child needs both on the same thread count. Set before anything imports torch.
+# Transformers copies a folder's model code into a modules cache under the folder's name, so two workers loading
+# exports of the same name would overwrite each other's code: each worker gets a cache of its own.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER is not None:
+    share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ["OMP_NUM_THREADS"] = str(max(1, share))
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix=f"hf-modules-{WORKER}-")
+
+
+def pytest_unconfigure(config):
+    if WORKER is not None:
+        shutil.rmtree(os.environ["HF_MODULES_CACHE"], ignore_errors=True)
+
 
 WORDS = (
     "the a cat dog sat on mat ran to park red blue green big small house tree river stone bird sang "

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ENV, offline_data, tiny_argv, write_corpus
 
 from apps.contrastive import train as contrastive
 from apps.crossbert.inspect import main as inspect_main
@@ -26,7 +27,6 @@ from lingua.export.consolidate import main as consolidate_main
 from lingua.export.embedder import load_embedder
 from lingua.export.hf_folder import main as export_main
 from lingua.run_folder import RunFolder
-from tests.conftest import ENV, offline_data, tiny_argv, write_corpus
 from tests.test_contrastive import contrastive_argv, write_triplets
 from tests.test_finetune import finetune_argv
 from tools.eval import embeddings as embeddings_command

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import WORDS, kill_after_first_checkpoint_then_restart, read_metrics
 
 from apps.contrastive import train as contrastive
 from apps.contrastive.data import TripletDataArgs, TripletLoader, encode_texts
@@ -18,7 +19,6 @@ from lingua.export.embedder import load_embedder
 from lingua.run_folder import RunFolder
 from lingua.train import train
 from lingua.training.resume import open_start
-from tests.conftest import WORDS, kill_after_first_checkpoint_then_restart, read_metrics
 
 
 def test_info_nce_matches_a_hand_computed_value():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_to_the_end, tiny_argv, write_corpus
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
@@ -25,7 +26,6 @@ from lingua.export.embedder import load_embedder
 from lingua.export.hf_folder import MARKER, ExportArgs, beside, export, main
 from lingua.files import written_folder
 from lingua.train import train
-from tests.conftest import run_to_the_end, tiny_argv, write_corpus
 from tests.test_contrastive import contrastive_argv, run_contrastive, write_triplets
 from tools.eval import glue as glue_command
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, kill_after_first_checkpoint_then_restart, read_metrics, run_to_the_end, tiny_argv
 
 from apps.finetune import train as finetune
 from apps.finetune.data import GlueDataArgs, GlueLoader, check_splits, decode_labels, label_codes, read_split
@@ -23,7 +24,6 @@ from lingua.eval.glue_data import TASKS
 from lingua.run_folder import RunFolder
 from lingua.train import main, train
 from lingua.training.resume import open_start
-from tests.conftest import REPO, kill_after_first_checkpoint_then_restart, read_metrics, run_to_the_end, tiny_argv
 from tools.finetune import sweep, table
 
 FIXTURES = Path(__file__).parent / "fixtures" / "glue"
@@ -136,10 +136,11 @@ def test_poolings_and_the_predictors_warm_start(tiny_crossbert, tmp_path, poolin
 @pytest.mark.parametrize("source", ["bert", "electra", "contrastive"])
 def test_every_kind_of_run_starts_a_fine_tuning(tiny_crossbert, tmp_path, source):
     """The backbone of BERT, ELECTRA (its discriminator) and a contrastive run (with its trained pooler)."""
+    from conftest import write_corpus
+
     from apps.bert.train import APP as BERT
     from apps.contrastive import train as contrastive
     from apps.electra.train import APP as ELECTRA
-    from tests.conftest import write_corpus
     from tests.test_contrastive import contrastive_argv, write_triplets
 
     dump = tmp_path / source

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import tiny_argv, write_corpus
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.inspect import attention_weights, inspect, main
@@ -16,7 +17,6 @@ from lingua.app import build_model
 from lingua.args import load_config
 from lingua.model.transformer import TransformerArgs
 from lingua.train import train
-from tests.conftest import tiny_argv, write_corpus
 
 
 def test_attention_weights_are_those_the_predictor_uses():

@@ -162,9 +162,10 @@ def test_offline_tasks_stand_for_each_type_and_score_through_mtebs_evaluation(tm
     """The stand-ins built from local files (here a small copy of the shared data's layout, without SICK): one or
     two per type of the paper's table but Summarization, scored by mteb; `names` picks among them."""
     pytest.importorskip("mteb")
+    from conftest import offline_data
+
     from lingua.eval.mteb import run_mteb, summarize
     from lingua.eval.mteb_offline import offline_tasks
-    from tests.conftest import offline_data
 
     data = offline_data(tmp_path / "shared")
     tasks = offline_tasks(data)
@@ -190,7 +191,7 @@ def test_offline_tasks_name_what_is_missing(tmp_path):
     tmp_path.joinpath("empty").mkdir()
     with pytest.raises(UserError, match="no task's files under"):
         offline_tasks(tmp_path / "empty")
-    from tests.conftest import offline_data
+    from conftest import offline_data
 
     with pytest.raises(UserError, match="offline MTEB task 'SICKROffline' is not among those built"):
         offline_tasks(offline_data(tmp_path / "shared"), ["SICKROffline"])

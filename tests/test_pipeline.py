@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO, end, offline_data, run_to_the_end, start, tagged_processes
 
 from lingua.errors import UserError
 from lingua.jobs.pipeline import format_status, launch
 from lingua.jobs.pipeline_plan import load_pipeline
 from lingua.jobs.pipeline_stage import slurm_job_active, state_of, this_process
-from tests.conftest import REPO, end, offline_data, run_to_the_end, start, tagged_processes
 
 
 def write(path: Path, text: str) -> Path:

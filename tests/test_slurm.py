@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO, end, read_metrics, start, tiny_argv
 
 from lingua.jobs.launcher import CODE_PACKAGES
-from tests.conftest import REPO, end, read_metrics, start, tiny_argv
 
 SMALL_JOB = ["cpus_per_task=1", "mem_gb_per_task=1", "time=10"]
 

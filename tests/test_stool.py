@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO, end, start, tagged_processes, tiny_argv
 
 from apps.bert.train import BertTrainArgs
 from lingua import stool
 from lingua.args import load_config
 from lingua.errors import UserError
 from lingua.jobs.launcher import CODE_PACKAGES, LauncherArgs, executor_for, snapshot_code
-from tests.conftest import REPO, end, start, tagged_processes, tiny_argv
 
 
 def write_sweep(tmp_path, corpus, **extra) -> Path:
