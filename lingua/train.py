@@ -23,7 +23,7 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from lingua.app import App, build_model
 from lingua.args import command_line, dump_config, load_config, to_dict
 from lingua.checkpoint.store import CheckpointArgs, CheckpointManager, TrainState, save_consolidated
 from lingua.data.loader import DataArgs, ReadAhead
-from lingua.data.tokenizer import build_tokenizer
+from lingua.data.tokenizer import build_tokenizer, recorded
 from lingua.distributed import (
     DistributedArgs,
     Launch,
@@ -153,9 +153,11 @@ def train(app: App, config) -> dict[str, Any]:
 
 def resolve_config(app: App, config, start: Start):
     """The run's config as it trains: the app's decisions from what the run starts from (e.g. the shapes of
-    init_from), checked before anything starts. The caller's config is left as it is."""
+    init_from) and the sha256 of a Hugging Face tokenizer's file, checked before anything starts. The caller's
+    config is left as it is."""
     if app.configure is not None:
         config = app.configure(config, start)
+    config = replace(config, data=replace(config.data, tokenizer=recorded(config.data.tokenizer)))
     check_logging(config.logging)
     if config.data.seq_len > config.model.encoder.max_seqlen:
         raise UserError(f"data.seq_len ({config.data.seq_len}) exceeds model.encoder.max_seqlen "

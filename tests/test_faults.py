@@ -282,7 +282,7 @@ BAD_KNOBS = [
     (["data.batch_size=0"], "config key 'data.batch_size' must be >= 1"),
     (["data.prefetch=-1"], "config key 'data.prefetch' must be >= 0"),
     (["data.sources.tiny=-1"], "config key 'data.sources' weights must be >= 0"),
-    (["data.tokenizer.name=sentencepiece"], "config key 'data.tokenizer.name' must be 'gpt2' or 'bytes'"),
+    (["data.tokenizer.name=sentencepiece"], "config key 'data.tokenizer.name' must be 'gpt2', 'bytes' or 'hf'"),
     (["optim.lr=0"], "config key 'optim.lr' must be > 0"),
     (["optim.lr_min=1"], "config key 'optim.lr_min' must be between 0 and lr"),
     (["optim.warmup=-1"], "config key 'optim.warmup' must be >= 0"),

@@ -117,7 +117,7 @@ def test_a_stored_path_absent_here_finds_the_file_by_its_checksum(r50k_file, no_
 
 
 def test_unknown_name():
-    with pytest.raises(UserError, match="'name' must be 'gpt2' or 'bytes'"):
+    with pytest.raises(UserError, match="'name' must be 'gpt2', 'bytes' or 'hf'"):
         TokenizerArgs(name="sentencepiece")
 
 

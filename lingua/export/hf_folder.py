@@ -3,8 +3,9 @@
     python -m lingua.export ckpt=DUMP_DIR_OR_CHECKPOINT out=FOLDER [pooling=auto|mean] [max_len=0] [app=NAME]
 
 The folder holds the model in plain PyTorch (`modeling_lingua.py`, `configuration_lingua.py`: no Lingua needed to
-load it), its weights (`model.safetensors`), the tokenizer (`tokenizer.json`: GPT-2's BPE or the bytes one, with
-`<s> text </s>` added and our special ids; `tokenizer_config.json` names `PreTrainedTokenizerFast`, so it loads with no
+load it), its weights (`model.safetensors`), the tokenizer (`tokenizer.json`: GPT-2's BPE, the bytes one or the run's
+Hugging Face one, with `<s> text </s>` added and the run's special ids; `tokenizer_config.json` names
+`PreTrainedTokenizerFast`, so it loads with no
 code from the folder: `AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=False)`), the files that make
 `SentenceTransformer(FOLDER, trust_remote_code=True)` return the model's `pooler_output`, and a model card
 (`README.md`). Vectors and states are those of `lingua.export.embedder.load_embedder(ckpt, pooling=, max_len=)` and

@@ -1,5 +1,6 @@
 """The export's tokenizer files: tokenizer.json, a `tokenizers.Tokenizer` that gives our ids (GPT-2's BPE from
-tiktoken's ranks, or the bytes one, with `<s> text </s>` added), and tokenizer_config.json. The only part of the export
+tiktoken's ranks, the bytes one, or the run's own Hugging Face tokenizer, with `<s> text </s>` added), and
+tokenizer_config.json. The only part of the export
 that needs `tokenizers` and transformers' tiktoken converter.
 """
 
@@ -7,16 +8,28 @@ from tiktoken_ext.openai_public import r50k_pat_str
 
 from lingua.export.embedder import Embedder
 
-SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<mask>")  # at the tokenizer's bos, eos, pad and mask ids, in this order
-
 
 def hf_tokenizer(embedder: Embedder, name: str):
-    """A `tokenizers.Tokenizer` giving our ids: `<s> text </s>` (`<s> a </s></s> b </s>` for pairs), the special
-    tokens treated as text when they appear in it (tokenizer_config's split_special_tokens), as ours does."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
-    from tokenizers.models import BPE
+    """A `tokenizers.Tokenizer` giving our ids: `<s> text </s>` (`<s> a </s></s> b </s>` for pairs, each with the
+    tokenizer's own spellings), the special tokens treated as text when they appear in it (tokenizer_config's
+    split_special_tokens), as ours does."""
+    from tokenizers import Tokenizer, processors
 
     ours = embedder.tokenizer
+    tokenizer = Tokenizer.from_str(ours.tokenizer.to_str()) if name == "hf" else lingua_tokenizer(ours, name)
+    tokenizer.encode_special_tokens = False  # the config's split_special_tokens decides, as transformers reads it
+    bos, eos = ours.special_tokens[:2]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} {eos} $B {eos}",
+        special_tokens=[(bos, ours.bos_id), (eos, ours.eos_id)])
+    return tokenizer
+
+
+def lingua_tokenizer(ours, name: str):
+    """GPT-2's BPE (tiktoken's ranks) or the bytes one, as a `tokenizers.Tokenizer` with our four special ids."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
     vocab, merges = gpt2_vocab_and_merges(ours.encoding) if name == "gpt2" else byte_vocab()
     tokenizer = Tokenizer(BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -25,13 +38,11 @@ def hf_tokenizer(embedder: Embedder, name: str):
     tokenizer.decoder = decoders.ByteLevel()
     # a GPT-2 word carries its leading space: in "the <mask>" the mask stands for " mat" (RoBERTa's <mask> does too)
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False,
-                                             lstrip=name == "gpt2" and token == "<mask>") for token in SPECIAL_TOKENS])
-    ids = [tokenizer.token_to_id(token) for token in SPECIAL_TOKENS]
+                                             lstrip=name == "gpt2" and token == "<mask>")
+                                  for token in ours.special_tokens])
+    ids = [tokenizer.token_to_id(token) for token in ours.special_tokens]
     if ids != [ours.bos_id, ours.eos_id, ours.pad_id, ours.mask_id]:
         raise RuntimeError(f"the exported special tokens got ids {ids}, ours are {ours.bos_id}..{ours.mask_id}")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
-        special_tokens=[("<s>", ours.bos_id), ("</s>", ours.eos_id)])
     return tokenizer
 
 
@@ -58,7 +69,7 @@ def tokenizer_config(embedder: Embedder, parse_special_tokens: bool) -> dict:
     fill-mask pipeline needs, and so are the other special tokens; else they are text, as in Lingua."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "mask_token": "<mask>",
+        **dict(zip(("bos_token", "eos_token", "pad_token", "mask_token"), embedder.tokenizer.special_tokens)),
         "model_max_length": embedder.max_len,
         "split_special_tokens": not parse_special_tokens,
         "clean_up_tokenization_spaces": False,

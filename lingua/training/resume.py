@@ -149,7 +149,7 @@ def architecture_changes(old_config: dict, config) -> list[str]:
     """'key old -> new' for each architecture field of the model (its config classes' `ARCHITECTURE`) and the
     tokenizer that differs from a saved config."""
     changes = config_changes(old_config, to_dict(config))
-    architecture = {"data.tokenizer.name", *architecture_fields(config.model, "model.")}
+    architecture = {"data.tokenizer.name", "data.tokenizer.sha256", *architecture_fields(config.model, "model.")}
     return [f"{key} {old} -> {new}" for key, (old, new) in changes.items() if key in architecture]
 
 
