@@ -27,7 +27,15 @@ WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if WORKER is not None:
     share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ["OMP_NUM_THREADS"] = str(max(1, share))
-    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix=f"hf-modules-{WORKER}-")
+    if f"hf-modules-{WORKER}-" not in os.environ.get("HF_MODULES_CACHE", ""):  # a test's process shares its worker's
+        os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix=f"hf-modules-{WORKER}-")
+
+
+def pytest_collection_modifyitems(items):
+    """The files that hold a slow test run first: xdist hands out whole files in this order, so the longest ones do
+    not start last and leave one worker running alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file is kept
 
 
 def pytest_unconfigure(config):

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from lingua.args import load_config
@@ -28,6 +29,7 @@ def test_a_short_run_prints_and_writes_the_curves_of_both_apps(tmp_path, capsys)
     assert "task pairs" in printed and "crossbert+cms=false+mask_ratio=0.2" in printed
 
 
+@pytest.mark.slow
 def test_crossbert_learns_the_copy_task_within_berts_budget():
     """At the diagnostic's default size, within the 100 steps in which BERT learns to read the neighbour (chance:
     0.004): CrossBERT as the paper trains it (50% masked, CMS), and on BERT's task (20% masked, one view), where it

@@ -129,6 +129,7 @@ def test_torchrun_with_one_process_trains_under_fsdp(corpus, tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_world_sizes(corpus, tmp_path):
     """Saved on 2 ranks at step 10; resumed on 2 ranks it continues exactly, on 1 rank it continues with the
     unread data re-partitioned (and back to 2 ranks again)."""

@@ -230,6 +230,7 @@ def test_two_nodes_train_as_two_processes_on_one_machine(nodes, data, long_run_o
     assert sorted(got) == list(range(1, LONG_RUN_STEPS + 1)) and _same_losses(got, long_run_on_two_processes, got)
 
 
+@pytest.mark.slow
 def test_hybrid_shard_replicates_across_nodes_and_resumes_on_one(nodes, data, tmp_path):
     """2 nodes x 2 processes under hybrid_shard: shard groups of one node's processes (shard_size 0), so the
     replicate dimension spans the nodes. Its step-10 checkpoint resumes on one machine in the same 2 x 2 mesh and

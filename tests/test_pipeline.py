@@ -199,6 +199,7 @@ def test_a_dry_run_shows_each_stages_launcher_and_needs_and_writes_nothing(toy, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_table3_debug_pipeline_end_to_end_on_offline_data(tmp_path, corpus):
     """docs/pipelines/table3_debug.yaml, its stages shortened (fewer steps, examples and tasks), for BERT and
     CrossBERT on the tiny corpus: every stage runs and the Table 3 file has every section filled."""

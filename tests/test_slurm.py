@@ -198,6 +198,7 @@ def test_pipeline_stages_wait_for_their_needs_and_a_failed_ones_dependents_never
     assert "2 of 4 stage(s) done" in status
 
 
+@pytest.mark.slow
 def test_a_preempted_stage_is_requeued_and_its_dependents_wait_for_it(slurm_cluster, corpus, tmp_path):
     """A training stage gets the preemption signal: the run saves and ends with status 0 (it does not requeue
     itself here), which must not count as done: the stage's job goes back in the queue, the run resumes, and only
@@ -223,6 +224,7 @@ def test_a_preempted_stage_is_requeued_and_its_dependents_wait_for_it(slurm_clus
     assert (stage(tmp_path, "train") / "done.json").exists()
 
 
+@pytest.mark.slow
 def test_a_rerun_submits_nothing_twice_and_a_cancelled_stage_runs_again(slurm_cluster, tmp_path):
     """Stages running, queued after them, or requeued keep their jobs when the pipeline is run again; `scancel` of a
     stage cancels the stages that need it, and the next run submits both again."""
