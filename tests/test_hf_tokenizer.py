@@ -86,6 +86,7 @@ def test_a_folder_names_its_special_tokens_and_its_truncation_is_ignored(corpus,
     ({**BERT_CONFIG, "mask_token": "<m>"}, r"tokenizer_config.json's mask_token '<m>' is not in its vocabulary"),
     ({**BERT_CONFIG, "mask_token": "[PAD]"}, r"its pad and mask tokens must differ"),
     ({"mask_token": {"content": 3}}, r"mask_token 3 is not in its vocabulary"),
+    (["a list"], r"tokenizer config .*tokenizer_config.json: "),
 ])
 def test_special_tokens_that_cannot_be_determined_are_one_line(corpus, tmp_path, config, message):
     folder = trained_wordpiece(tmp_path / "wp", corpus, config)
@@ -124,6 +125,7 @@ def test_a_run_trains_records_the_hash_and_resumes_exactly(corpus, tmp_path, app
 
     saved = yaml.safe_load((straight / "config.yaml").read_text())["data"]["tokenizer"]
     assert saved["sha256"] == build_tokenizer(TokenizerArgs(name="hf", path=str(file))).sha256
+    assert saved["path"] == str(file)  # absolute
 
     # the file changed under the run: resuming it is refused, and so is reading its checkpoints
     other = trained_bpe(tmp_path / "other", write_corpus(tmp_path / "other_corpus", seed=1))
@@ -132,7 +134,7 @@ def test_a_run_trains_records_the_hash_and_resumes_exactly(corpus, tmp_path, app
         train(app, load_config(app.args_cls, hf_argv(corpus, resumed, file, 30)))
     from lingua.app import load_model
 
-    with pytest.raises(UserError, match=r"is not the one the run was trained with"):
+    with pytest.raises(UserError, match=r"tokenizer .* \(and its tokenizer_config.json\) is not the one the run was"):
         load_model(str(straight), "cpu")
 
 

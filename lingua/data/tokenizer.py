@@ -12,8 +12,8 @@ name="bytes": one id per UTF-8 byte (0..255), for tiny tests:
 name="hf": any Hugging Face `tokenizers` tokenizer, `path` a tokenizer.json or a folder holding one (a model folder
 from the hub, saved locally). Its vocabulary is kept; the four special tokens are those its tokenizer_config.json
 names (bos or cls, eos or sep, pad, mask), else the usual spellings found in its vocabulary (`<s>`/`[CLS]`, ...), else
-added at its end (`<s>`, `</s>`, `<pad>`, `<mask>`). A run records the file's sha256 (`sha256`, set when the run
-starts) and refuses a file that no longer matches it, as a checkpoint must be read with the tokenizer it was
+added at its end (`<s>`, `</s>`, `<pad>`, `<mask>`). A run records the sha256 of both files (`sha256`, set when the
+run starts) and refuses files that no longer match it, as a checkpoint must be read with the tokenizer it was
 trained with.
 
 `encode(text)` adds no special tokens and treats every string, "<|endoftext|>" and "<mask>" included, as ordinary
@@ -32,7 +32,6 @@ that does not is refused, never skipped.
 import base64
 import functools
 import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -43,6 +42,7 @@ from tiktoken_ext.openai_public import r50k_pat_str
 
 from lingua.errors import UserError, require
 from lingua.files.safe import RefusedFile, regular_file
+from lingua.files.untrusted import Malformed, parse_json, read_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class TokenizerArgs:
     # gpt2: a local r50k_base.tiktoken (empty or absent: default location, then tiktoken); hf: a tokenizer.json or
     # a folder holding one (required)
     path: str = ""
-    sha256: str = ""  # hf: the tokenizer.json a run started with (lingua/train.py records it)
+    sha256: str = ""  # hf: of the tokenizer.json and tokenizer_config.json a run started with (set by lingua/train.py)
 
     def __post_init__(self):
         require(self.name in ("gpt2", "bytes", "hf"), "name", f"must be 'gpt2', 'bytes' or 'hf', got '{self.name}'")
@@ -194,10 +194,10 @@ def _special_token(role: str, config: dict, vocab: dict, origin: str) -> str:
         if not isinstance(named, str) or named not in vocab:
             raise UserError(f"tokenizer {origin}: tokenizer_config.json's {key} {named!r} is not in its vocabulary")
         return named
-    return next((token for token in USUAL_SPELLINGS[role] if token in vocab), SPECIAL_TOKENS[list(ROLES).index(role)])
+    return next((token for token in USUAL_SPELLINGS[role] if token in vocab), dict(zip(ROLES, SPECIAL_TOKENS))[role])
 
 
-def hf_tokenizer_files(path: str) -> tuple[Path, Path | None]:
+def _hf_files(path: str) -> tuple[Path, Path | None]:
     """The tokenizer.json `path` names (itself, or the one in that folder) and the tokenizer_config.json beside it,
     if any."""
     given = Path(path).expanduser()
@@ -209,32 +209,34 @@ def hf_tokenizer_files(path: str) -> tuple[Path, Path | None]:
 def _hf(args: TokenizerArgs) -> HFTokenizer:
     from tokenizers import Tokenizer
 
-    file, config_file = hf_tokenizer_files(args.path)
+    file, config_file = _hf_files(args.path)
     try:
         data = regular_file(str(file)).read_bytes()
-        config = json.loads(regular_file(str(config_file)).read_bytes()) if config_file else {}
     except RefusedFile as e:
         raise UserError(f"tokenizer file {e}: {HF_HINT}") from None
     except OSError as e:
         raise UserError(f"cannot read tokenizer file {e.filename} ({e.strerror}): {HF_HINT}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"tokenizer config {config_file} is not JSON ({e})") from None
-    digest = sha256_of(data)
+    config_bytes = read_bytes(config_file, "tokenizer config") if config_file else b""
+    try:
+        config = parse_json(config_bytes, dict) if config_file else {}
+    except Malformed as e:
+        raise UserError(f"tokenizer config {config_file}: {e}") from None
+    digest = sha256_of(data + b"\0" + config_bytes)  # the config decides the special tokens
     if args.sha256 and digest != args.sha256:
-        raise UserError(f"tokenizer file {file} is not the one the run was trained with (sha256 {digest[:12]}..., "
-                        f"recorded {args.sha256[:12]}...): point data.tokenizer.path at that file")
+        raise UserError(f"tokenizer {file} (and its tokenizer_config.json) is not the one the run was trained with "
+                        f"(sha256 {digest[:12]}..., recorded {args.sha256[:12]}...): point data.tokenizer.path at "
+                        "that one")
     try:
         tokenizer = Tokenizer.from_str(data.decode())
     except Exception as e:  # tokenizers raises a bare Exception on a file it cannot parse
         raise UserError(f"tokenizer file {file} is not a tokenizers tokenizer.json ({e})") from None
-    if not isinstance(config, dict):
-        raise UserError(f"tokenizer config {config_file} is not a JSON object")
     return HFTokenizer(tokenizer, config, str(file), digest)
 
 
 def recorded(args: TokenizerArgs) -> TokenizerArgs:
-    """The args with the tokenizer file's absolute path and sha256 (name=hf), which the run's config records: a file
-    that changes after the run started is refused when the run resumes or its checkpoints are read."""
+    """The args with the tokenizer's absolute path and the sha256 of its files (name=hf), which the run's config
+    records: a tokenizer that changes after the run started is refused when the run resumes or its checkpoints are
+    read."""
     if args.name != "hf":
         return args
     tokenizer = _hf(args)
