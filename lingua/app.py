@@ -135,12 +135,22 @@ class AppModel(nn.Module, abc.ABC):
             if isinstance(module, AttentionPooler):
                 trunc_normal_(module.query, self.backbone.args.init_std)
 
+    def attention_pooler(self) -> AttentionPooler | None:
+        """The model's own attention pooler (a contrastive or fine-tuning run's), which its embeddings and its export
+        read; None: they mean-pool."""
+        return None
+
+    def classifier(self) -> tuple[nn.Linear, str] | None:
+        """A classification head and the pooling whose vector it reads ("mean", "first" or "attention"), which the
+        export carries (AutoModelForSequenceClassification); None: the model has none."""
+        return None
+
     def pooler_warm_start(self) -> tuple[TransformerArgs, dict[str, torch.Tensor]] | None:
         """What starts another run's attention pooler (lingua/training/pretrained.py): its block shapes and its
-        weights under the pooler's names (lingua/model/pooler.py); by default the model's own attention pooler
-        (`pooler`: a contrastive or fine-tuning run's), None without one (a cold start)."""
-        pooler = getattr(self, "pooler", None)
-        return (pooler.args, pooler.state_dict()) if isinstance(pooler, AttentionPooler) else None
+        weights under the pooler's names (lingua/model/pooler.py); by default the model's own attention pooler,
+        None without one (a cold start)."""
+        pooler = self.attention_pooler()
+        return (pooler.args, pooler.state_dict()) if pooler is not None else None
 
 
 @dataclass(frozen=True)

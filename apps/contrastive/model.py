@@ -112,6 +112,9 @@ class Contrastive(AppModel):
     def pool(self, hidden: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
         return mean_pool_normalised(hidden, pad_mask) if self.pooler is None else self.pooler(hidden, pad_mask)
 
+    def attention_pooler(self) -> AttentionPooler | None:
+        return self.pooler
+
     def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["rows"].shape[0]  # one prediction per query: which passage is its positive
 

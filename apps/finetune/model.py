@@ -75,6 +75,12 @@ class Finetune(AppModel):
             return hidden[:, 0].float()
         return mean_pool(hidden, pad_mask) if self.pooler is None else self.pooler.pooled(hidden, pad_mask)
 
+    def attention_pooler(self) -> AttentionPooler | None:
+        return self.pooler
+
+    def classifier(self) -> tuple[nn.Linear, str]:
+        return self.head, self.args.pooling
+
     def predicted_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["labels"].numel()  # one prediction per example: predicted_tokens_per_s is examples per second
 

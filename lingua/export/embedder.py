@@ -38,7 +38,7 @@ class Embedder:
         return self.model.backbone.args.dim
 
     def pool(self, hidden: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
-        pooler = getattr(self.model, "pooler", None) if self.pooling == "auto" else None
+        pooler = self.model.attention_pooler() if self.pooling == "auto" else None
         return mean_pool_normalised(hidden, pad_mask) if pooler is None else pooler(hidden.float(), pad_mask)
 
     @torch.no_grad()

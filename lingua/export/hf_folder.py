@@ -13,9 +13,10 @@ code from the folder: `AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=F
 
 - `AutoModel`: the final states and the sentence embedding;
 - `AutoModelForSequenceClassification`: a linear head on the vector that `classifier_pooling` names (the mean, the
-  first token's state or the attention pooler's, not normalised). A fine-tuning run's model (one with a `head`)
-  gives its head, its `args.pooling` and its GLUE task's label names; any other run a fresh head (`num_labels=N`
-  when loading) on its pooler's vector, or on the mean without one;
+  first token's state or the attention pooler's, not normalised). A model that declares a classifier
+  (`AppModel.classifier`: a fine-tuning run's) gives its head, its pooling and its GLUE task's label names; any other
+  run a fresh head (`num_labels=N` when loading) on its pooler's vector (`AppModel.attention_pooler`), or on the mean
+  without one;
 - `AutoModelForTokenClassification`: a fresh linear head on every token's state;
 - `AutoModelForMaskedLM` (and the fill-mask pipeline), only for a model that declares a masked-LM head (BERT,
   CrossBERT, ELECTRA: `AppModel.masked_lm`, a lingua.app.MaskedLMHead): its predictions at the `<mask>` tokens. The
@@ -80,9 +81,9 @@ def export(args: ExportArgs) -> Path:
     embedder = load_embedder(str(checkpoint.path), "cpu", args.pooling, args.max_len, args.app or None)
     params = checkpoint.params
     model = embedder.model
-    pooler = getattr(model, "pooler", None) if args.pooling == "auto" else None
-    head = getattr(model, "head", None)
-    if head is not None and model.args.pooling == "attention" and pooler is None:
+    pooler = model.attention_pooler() if args.pooling == "auto" else None
+    classifier = model.classifier()
+    if classifier is not None and classifier[1] == "attention" and pooler is None:
         raise UserError("pooling=mean would leave out the attention pooler that this run's classifier reads")
     masked_lm = model.masked_lm
     config = hf_config(embedder, pooler, masked_lm, params["config"])
@@ -166,12 +167,11 @@ def hf_config(embedder: Embedder, pooler, masked_lm: MaskedLMHead | None, train:
     model, tokenizer = embedder.model, embedder.tokenizer
     backbone = model.backbone
     encoder = backbone.args
-    head = getattr(model, "head", None)
     classes = {"AutoModel": "LinguaModel", "AutoModelForSequenceClassification": "LinguaForSequenceClassification",
                "AutoModelForTokenClassification": "LinguaForTokenClassification",
                **({"AutoModelForMaskedLM": "LinguaForMaskedLM"} if masked_lm else {})}
     return {
-        "architectures": ["LinguaModel" if head is None else "LinguaForSequenceClassification"],
+        "architectures": ["LinguaModel" if model.classifier() is None else "LinguaForSequenceClassification"],
         "auto_map": {"AutoConfig": "configuration_lingua.LinguaConfig",
                      **{auto: f"modeling_lingua.{name}" for auto, name in classes.items()}},
         "model_type": "lingua",
@@ -210,13 +210,14 @@ def shape_fields(prefix: str, network) -> dict:
 def classifier_fields(model: torch.nn.Module, pooler, train: dict) -> dict:
     """What LinguaForSequenceClassification reads: a fine-tuning run's head (its pooling, and its GLUE task's label
     names), else a fresh head on the pooler's vector, or on the mean without a pooler."""
-    head = getattr(model, "head", None)
-    if head is None:
+    classifier = model.classifier()
+    if classifier is None:
         return {"classifier_pooling": "mean" if pooler is None else "attention"}
+    head, pooling = classifier
     n_labels = head.out_features
     task = TASKS.get(train["data"].get("task"))
     names = task.labels if task and len(task.labels) == n_labels else [f"LABEL_{i}" for i in range(n_labels)]
-    return {"classifier_pooling": model.args.pooling,
+    return {"classifier_pooling": pooling,
             "problem_type": "regression" if n_labels == 1 else "single_label_classification",
             "id2label": dict(enumerate(names)), "label2id": {name: i for i, name in enumerate(names)}}
 
@@ -245,7 +246,8 @@ def hf_state_dict(model: torch.nn.Module, pooler, masked_lm: MaskedLMHead | None
     classifier's are under `pooler.`, `mlm_network.` and `classifier.`; the tied head's bias is `output_bias`, kept
     when the masked-LM head reads it."""
     state = {name: value for name, value in model.backbone.state_dict().items() if name != "output_bias"}
-    modules = {"pooler": pooler, "classifier": getattr(model, "head", None)}
+    classifier = model.classifier()
+    modules = {"pooler": pooler, "classifier": classifier[0] if classifier else None}
     if masked_lm is not None:
         modules["mlm_network"], output_bias = masked_lm_parts(model, masked_lm)
         if output_bias is not None:

@@ -63,13 +63,15 @@ def _warm_starts(pooler: PoolerArgs, pretrained) -> bool:
 
 
 def load_pretrained(checkpoint: Checkpoint, model) -> dict:
-    """The backbone's weights of any app's checkpoint into `model.encoder`, and the warm start into `model.pooler`
-    when it has one and the checkpoint offers it; the rest of the model keeps its initialisation. Returns the part
-    of the checkpoint's config that the run must match (its encoder and tokenizer)."""
+    """The backbone's weights of any app's checkpoint into the model's backbone, and the warm start into its
+    attention pooler when it has one and the checkpoint offers it; the rest of the model keeps its initialisation.
+    Returns the part of the checkpoint's config that the run must match (its encoder and tokenizer)."""
     source, config, _ = load_model(checkpoint, "cpu")
-    state = {f"encoder.{k}": v for k, v in source.backbone.state_dict().items()}
-    if model.pooler is not None and _warm_starts(model.args.pooler, source):
-        state |= {f"pooler.{k}": v for k, v in source.pooler_warm_start()[1].items()}
+    state = {f"{model.backbone_name}.{k}": v for k, v in source.backbone.state_dict().items()}
+    pooler = model.attention_pooler()
+    if pooler is not None and _warm_starts(model.args.pooler, source):
+        prefix = next(name for name, module in model.named_modules() if module is pooler)
+        state |= {f"{prefix}.{k}": v for k, v in source.pooler_warm_start()[1].items()}
     expected = dict(model.state_dict())
     mismatched = sorted(k for k, v in state.items() if k not in expected or expected[k].shape != v.shape)
     if mismatched:
