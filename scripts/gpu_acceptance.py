@@ -17,8 +17,8 @@ still run; the reports are rewritten after every part):
    activation checkpointing) on a generated corpus: the loss falls, recompilations are counted, the checkpoint of
    the middle step is resumed and the steps after it are compared with the uninterrupted run;
 5. glue: the frozen GLUE probes of that run on RTE, timed.
-`--prepare` gathers the wheels of the packages the GPU image lacks (submitit), the GPT-2 BPE file and RTE from
-../shared/data/glue into FOLDER (git-ignored; name it in the device call's `carry`) and prints its size.
+`--prepare` gathers the wheels of the packages the GPU image lacks (submitit, pytest-xdist), the GPT-2 BPE file and
+RTE from ../shared/data/glue into FOLDER (git-ignored; name it in the device call's `carry`) and prints its size.
 """
 
 import argparse
@@ -40,7 +40,8 @@ PAPER_SPEEDUP = 1.68  # Table 3: 207k vs 123k tokens/s on H100
 TARGETS = {"mfu_with_head": 0.40, "crossbert_speedup": 1.49}  # issue targets: benchmarks, not pass/fail of the run
 BUDGETS_S = {"environment": 30, "tests": 60, "benchmark": 120, "profile": 40, "training": 180, "glue": 50}  # 8 min
 DRY_BUDGETS_S = {"environment": 30, "tests": 120, "benchmark": 120, "profile": 60, "training": 240, "glue": 90}
-WHEELS = ["submitit==1.5.4"]  # pure Python, missing on the GPU image (KINDS.md)
+# pure Python, missing on the GPU image (KINDS.md); pytest-xdist because pyproject.toml's pytest options name it
+WHEELS = ["submitit==1.5.4", "pytest-xdist==3.8.0", "execnet==2.1.2"]
 WORDS = ("the a cat dog sat on mat ran to park red blue green big small house tree river stone bird sang under over "
          "quickly slowly happy tall old young and then after before").split()
 
@@ -88,8 +89,8 @@ def tests(work: Path, dry_run: bool) -> dict:
     selection = ["tests/test_gpu_paths.py", "tests/test_compile.py"]
     if dry_run:
         selection = ["tests/test_gpu_paths.py", "-k", "bert and not crossbert or electra or chunked"]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                           *selection], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                           f"--junitxml={report}", *selection], cwd=REPO, capture_output=True, text=True)
     counts = _junit_counts(report)
     (work / "tests.log").write_text(done.stdout[-20000:] + done.stderr[-5000:])
     if done.returncode and not counts.get("failures") and not counts.get("errors"):
