@@ -24,11 +24,12 @@ import pytest
 # Transformers copies a folder's model code into a modules cache under the folder's name, so two workers loading
 # exports of the same name would overwrite each other's code: each worker gets a cache of its own.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+MODULES_CACHE = None  # the one this process made, which it removes at its end
 if WORKER is not None:
     share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ["OMP_NUM_THREADS"] = str(max(1, share))
     if f"hf-modules-{WORKER}-" not in os.environ.get("HF_MODULES_CACHE", ""):  # a test's process shares its worker's
-        os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix=f"hf-modules-{WORKER}-")
+        os.environ["HF_MODULES_CACHE"] = MODULES_CACHE = tempfile.mkdtemp(prefix=f"hf-modules-{WORKER}-")
 
 
 def pytest_collection_modifyitems(items):
@@ -39,8 +40,8 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_unconfigure(config):
-    if WORKER is not None:
-        shutil.rmtree(os.environ["HF_MODULES_CACHE"], ignore_errors=True)
+    if MODULES_CACHE is not None:
+        shutil.rmtree(MODULES_CACHE, ignore_errors=True)
 
 
 WORDS = (
