@@ -44,7 +44,6 @@ from typing import Any
 
 import yaml
 
-from lingua.app import load_app
 from lingua.args import command_line, from_dict, load_config, parse_assignment, read_yaml, set_dotted
 from lingua.errors import UserError
 from lingua.files import untrusted
@@ -77,6 +76,8 @@ class PlannedRun:
 def resolve_config(script: str, config_path: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The training config of `script` from its YAML and dotted overrides, checked by the app's own dataclass (a
     mistake fails here, before anything is submitted), with its paths made absolute (the job runs elsewhere)."""
+    from lingua.app import load_app  # imported here: an app brings torch, which pipelines and status do without
+
     app = load_app(script)
     tree = read_yaml(config_path) if config_path else {}
     for key, value in overrides.items():
@@ -172,6 +173,7 @@ def prepare(run: PlannedRun) -> None:
 def train_job(script: str, config_file: str) -> None:
     """What a job runs, in the run's code folder (its working directory): the app's training, in-process. It returns
     nothing, so that submitit's result file holds plain data that status reads without running code."""
+    from lingua.app import load_app
     from lingua.train import train
 
     app = load_app(script)

@@ -2,6 +2,8 @@
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,3 +150,11 @@ def test_the_core_packages_import_downwards_only():
         assert imports <= below, f"{name}'s row names {sorted(imports - below)}, not below it in the map"
         below.add(name)
     assert circles(graph) == []
+
+
+def test_the_job_commands_start_without_torch():
+    """stool and a pipeline's stage jobs import no torch (2 s of CPU in each of the many processes a sweep or a
+    pipeline starts); what checks a config or trains imports the app, and torch, when it does."""
+    script = "import sys, lingua.stool, lingua.jobs.pipeline_stage; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr

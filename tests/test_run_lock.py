@@ -15,8 +15,9 @@ from conftest import end, read_metrics, start, tiny_argv
 from apps.bert.train import APP as BERT
 from lingua import train as loop
 from lingua.errors import UserError
+from lingua.host import process_start
 from lingua.run_folder import RunFolder
-from lingua.training.lifecycle import RunLock, lease_holder, lease_text, process_start
+from lingua.training.lifecycle import RunLock, lease_holder, lease_text
 
 ANOTHER_HOST = {"host": "node7", "pid": "4242", "started": "12345", "machine": "another-boot/4026531836"}
 

@@ -16,10 +16,10 @@ from typing import Any
 from lingua.errors import UserError
 from lingua.files import untrusted
 from lingua.files.safe import atomic_write, open_appending
+from lingua.host import boot_id, process_start
 from lingua.jobs.launcher import read_job_record
 from lingua.jobs.pipeline_plan import Stage
 from lingua.run_folder import STAGE_DONE, STAGE_FAILED, STAGE_STARTED, STAGES, SUBMITIT
-from lingua.training.lifecycle import boot_id, process_start
 
 FORWARDED_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # a scheduler's stop signals
 PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1)  # the time limit's warning, a preemption: the job goes back

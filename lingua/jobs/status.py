@@ -11,7 +11,6 @@ from typing import Any
 from lingua.errors import UserError
 from lingua.files.untrusted import read_json, read_yaml
 from lingua.jobs.launcher import read_job_record
-from lingua.metrics import read_metrics
 from lingua.run_folder import SUBMITIT, SWEEP_RECORD, RunFolder
 
 
@@ -25,6 +24,8 @@ def describe(dump_dir: Path) -> dict[str, Any]:
     run = RunFolder(dump_dir)
     config = _read_yaml_mapping(run.config)
     steps = config.get("steps") if isinstance(config.get("steps"), int) else None
+    from lingua.metrics import read_metrics  # imported here: it brings torch, which stool's commands do without
+
     for record in read_metrics(run.metrics) if run.metrics.is_file() else []:
         if isinstance(record, dict):
             info["step"] = record["step"] if isinstance(record.get("step"), int) else info["step"]

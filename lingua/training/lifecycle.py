@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lingua.distributed import fail_together, on_rank_zero, rank_and_world
 from lingua.errors import UserError, require
 from lingua.files.safe import fsync_dir
+from lingua.host import boot_id, process_start
 from lingua.run_folder import RunFolder
 
 logger = logging.getLogger(__name__)
@@ -155,24 +156,6 @@ def requeue_slurm_job(signal_name: str, args: LifecycleArgs) -> bool:
 HEARTBEAT_S = 30  # how often the holder renews its lease
 STALE_AFTER_S = 300  # a lease not renewed for this long is taken over, whoever holds it
 CLAIM_TIMEOUT_S = 10  # a takeover or release lasts milliseconds: a claim older than this was left by a killed process
-
-
-def process_start(pid: int) -> str | None:
-    """When process `pid` started (clock ticks since boot: a reused pid starts later); None if none runs (a zombie
-    has exited)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
-def boot_id() -> str | None:
-    """This boot of this host (Linux): pids and start times compare only within one."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
 
 
 def lease_holder() -> dict[str, str | None]:
