@@ -25,7 +25,9 @@ def test_training_step_compiles_as_one_graph_and_never_recompiles(variant):
     model = build_model(app.build_model, model_args, SimpleNamespace(vocab_size=VOCAB, mask_id=VOCAB - 1),
                         torch.device("cpu"))
     torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")  # Dynamo and AOT autograd, without Inductor's code generation
+    # Dynamo and AOT autograd, without Inductor's code generation: Inductor compiles what training compiles (each
+    # block, distributed.compile=true) in the GPU acceptance's dry run, tests/test_gpu_acceptance.py
+    counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, fullgraph=True, backend=counter)
     generator = torch.Generator().manual_seed(0)
     for step in range(3):

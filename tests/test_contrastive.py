@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import WORDS, kill_after_first_checkpoint_then_restart, read_metrics
+from conftest import WORDS, kill_after_first_checkpoint_then_restart, read_metrics, tiny_argv, write_corpus
 
 from apps.contrastive import train as contrastive
 from apps.contrastive.data import TripletDataArgs, TripletLoader, encode_texts
@@ -90,6 +90,21 @@ def test_frozen_training_moves_only_the_pooler_and_warm_starts_it_from_the_predi
     assert all(torch.equal(value, backbone[name]) for name, value in trained.encoder.state_dict().items())
     assert not torch.allclose(trained.pooler.query, at_start.pooler.query)
     assert all(not p.requires_grad for p in trained.encoder.parameters())
+
+
+def test_a_bert_backbone_trains_a_fresh_pooler_and_embeds(tmp_path):
+    """BERT has no predictor to warm-start the pooler from: the pooler starts fresh, trains, and the embedder uses
+    it."""
+    from apps.bert.train import APP as BERT
+
+    bert = tmp_path / "bert"
+    train(BERT, load_config(BERT.args_cls, tiny_argv(write_corpus(tmp_path / "data"), bert, 2)))
+    dump = tmp_path / "probe"
+    run_contrastive(contrastive_argv(write_triplets(tmp_path / "t.jsonl", 64), dump, bert, 2))
+    trained, _, _ = load_model(dump)
+    assert all(not p.requires_grad for p in trained.encoder.parameters()) and trained.pooler.query.requires_grad
+    vectors = load_embedder(str(dump)).encode(["the cat sat", "a dog"])
+    assert vectors.shape == (2, 32) and torch.isfinite(vectors).all()
 
 
 def test_no_gradient_reaches_a_frozen_backbone(tiny_crossbert, tmp_path):
