@@ -85,10 +85,17 @@ def test_a_nested_config_starts_from_its_fields_default():
     assert load_config(Outer, ["inner.a=3"]).inner == Inner(a=3, b=2)
 
 
-@pytest.mark.parametrize("module", ["apps.bert.train", "apps.crossbert.train", "apps.electra.train", "tools.benchmark",
-                                    "tools.diagnose", "tools.eval.glue", "tools.scaling", "lingua.stool",
-                                    "apps.contrastive.train", "tools.eval.embeddings", "tools.eval.mteb",
-                                    "lingua.eval.triplets", "lingua.export", "apps.crossbert.inspect"])
+COMMANDS = {  # each command, and what its help must say beside `python -m`
+    "apps.bert.train": "", "apps.crossbert.train": "", "apps.electra.train": "", "tools.benchmark": "",
+    "tools.diagnose": "", "tools.eval.glue": "", "tools.scaling": "", "lingua.stool": "",
+    "apps.contrastive.train": "", "tools.eval.embeddings": "", "lingua.eval.triplets": "",
+    "apps.crossbert.inspect": "", "tools.eval.mteb": "benchmark: str = 'MTEB(eng, v2)'", "lingua.export": "pooling",
+    "apps.finetune.train": "epochs: int = 3", "tools.finetune.sweep": "mnli_from: str",
+    "tools.finetune.table": "median",
+}
+
+
+@pytest.mark.parametrize("module", COMMANDS)
 def test_every_command_answers_help(module, monkeypatch, capsys):
     """Run as `python -m module --help` is, in this process (a process of its own would only add torch's import)."""
     monkeypatch.setattr(sys, "argv", [module, "--help"])
@@ -101,7 +108,7 @@ def test_every_command_answers_help(module, monkeypatch, capsys):
             code = exit.code
     out, err = capsys.readouterr()
     assert code in (0, None), err
-    assert "python -m" in out and err == ""
+    assert "python -m" in out and COMMANDS[module] in out and err == ""
 
 
 def test_help_lists_every_key_with_its_type_default_and_comment():

@@ -3,14 +3,13 @@ epoch, exact resume, two ranks against one, bad inputs, the sweep and the table.
 
 import json
 import shutil
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, kill_after_first_checkpoint_then_restart, read_metrics, run_to_the_end, tiny_argv
+from conftest import kill_after_first_checkpoint_then_restart, read_metrics, run_to_the_end, tiny_argv
 
 from apps.finetune import train as finetune
 from apps.finetune.data import GlueDataArgs, GlueLoader, check_splits, decode_labels, label_codes, read_split
@@ -255,15 +254,6 @@ def test_bad_inputs_are_one_line(tiny_crossbert, tmp_path, capsys):
         argv = finetune_argv(tmp_path / "run", tiny_crossbert, "sst2", data=glue) + [override]
         assert message in _error(argv, capsys), override
     assert not (tmp_path / "run").exists()  # nothing was started
-
-
-@pytest.mark.parametrize("module, key", [("apps.finetune.train", "epochs: int = 3"),
-                                         ("tools.finetune.sweep", "mnli_from: str"),
-                                         ("tools.finetune.table", "median")])
-def test_help(module, key):
-    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0 and key in done.stdout
 
 
 def test_a_resume_on_another_number_of_processes_is_refused(tiny_crossbert, tmp_path):

@@ -135,13 +135,6 @@ def test_summary_is_the_papers_table():
     assert row.split() == ["tiny", "70.00", "-", "-", "-", "30.00", "70.00", "-", "50.00", "55.00", "58.00"]
 
 
-def test_command_answers_help():
-    done = subprocess.run([sys.executable, "-m", "tools.eval.mteb", "--help"], capture_output=True, text=True,
-                          cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    assert "python -m tools.eval.mteb" in done.stdout and "benchmark: str = 'MTEB(eng, v2)'" in done.stdout
-
-
 def test_unreachable_hub_is_a_one_line_error(tmp_path):
     """Offline, with an empty Hugging Face cache, the command stops at the first task's data with one line."""
     pytest.importorskip("mteb")
