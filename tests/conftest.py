@@ -2,6 +2,7 @@
 evaluation data's layout, and helpers that run commands and clean up every process they start."""
 
 import contextlib
+import fcntl
 import importlib.util
 import json
 import logging
@@ -162,17 +163,33 @@ def long_run_argv(data_root: Path, dump_dir: Path, steps: int = LONG_RUN_STEPS, 
     return [*tiny_argv(data_root, dump_dir, steps), "checkpoint.every=5", "validation.every=20", *extra]
 
 
+@contextlib.contextmanager
+def shared_by_workers(tmp_path_factory, name: str):
+    """A folder of the session's temporary root that every pytest-xdist worker sees (with -n 0: the session's own),
+    held under an exclusive lock while the block runs: the first worker to need it fills it, the others wait, then
+    read it. What is computed there is computed once per session, not once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if WORKER is not None else base
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, by a killed worker too
+        yield root / name
+
+
 @pytest.fixture(scope="session")
 def long_run_on_two_processes(tmp_path_factory) -> dict[int, dict]:
     """metrics.jsonl's training records of long_run_argv's BERT run on the tiny corpus, uninterrupted, on two
     processes of one machine (`torchrun --standalone`), run once for the session: what a run killed midway (a worker,
     a node) and resumed must log, step for step."""
-    root = tmp_path_factory.mktemp("long_run")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "apps.bert.train",
-           *long_run_argv(write_corpus(root / "data"), root / "run")]
-    result = run_to_the_end(cmd)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_metrics(root / "run")
+    with shared_by_workers(tmp_path_factory, "long_run") as root:
+        done = root / "done"
+        if not done.exists():  # the first worker here, or the next after one whose run failed
+            shutil.rmtree(root, ignore_errors=True)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                   "apps.bert.train", *long_run_argv(write_corpus(root / "data"), root / "run")]
+            result = run_to_the_end(cmd)
+            assert result.returncode == 0, result.stderr[-3000:]
+            done.touch()
+        return read_metrics(root / "run")
 
 
 def load_setup_script(name: str):
