@@ -34,8 +34,9 @@ if WORKER is not None:
 
 
 def pytest_collection_modifyitems(items):
-    """The files that hold a slow test run first: xdist hands out whole files in this order, so the longest ones do
-    not start last and leave one worker running alone at the end."""
+    """The files that hold a slow test run first: xdist hands out whole files in this order (pyproject.toml's
+    --no-loadscope-reorder: by default it hands out the files with the most tests first), so the longest ones do not
+    start last and leave one worker running alone at the end."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file is kept
 
