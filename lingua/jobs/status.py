@@ -18,14 +18,14 @@ def describe(dump_dir: Path) -> dict[str, Any]:
     """A run's state (missing, pending, running, finished, failed), its reason, last step, loss and val loss, from
     its dump_dir alone (metrics.jsonl, config.yaml, job.json and submitit's result file). What cannot be read (a
     damaged or hand-made file) is the row's reason, never an error."""
+    from lingua.metrics import read_metrics  # imported here: it brings torch, which stool's commands do without
+
     info = {"state": "missing", "reason": "", "step": None, "loss": None, "val_loss": None}
     if not dump_dir.is_dir():
         return info
     run = RunFolder(dump_dir)
     config = _read_yaml_mapping(run.config)
     steps = config.get("steps") if isinstance(config.get("steps"), int) else None
-    from lingua.metrics import read_metrics  # imported here: it brings torch, which stool's commands do without
-
     for record in read_metrics(run.metrics) if run.metrics.is_file() else []:
         if isinstance(record, dict):
             info["step"] = record["step"] if isinstance(record.get("step"), int) else info["step"]
