@@ -44,6 +44,8 @@ class DataArgs:
     batch_size: int = 8  # sequences per rank per micro-batch
     seed: int = 42  # document order and source sampling
     prefetch: int = 8  # batches loaded ahead in a background thread (0: load in the caller's thread)
+    document_mask: bool = False  # each token attends only to its own document of a packed row (off in the paper's
+    # tables: the paper does not say whether it packs across documents)
     tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
 
     def __post_init__(self):
