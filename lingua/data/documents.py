@@ -25,21 +25,31 @@ class MalformedLine(ValueError):
     """A line that holds no document; its text says why."""
 
 
-def read_document(tokenizer, line: bytes) -> list[int]:
-    """The tokens of one JSONL line's document (<s> text </s>); raises MalformedLine saying why there is none."""
+def text_of_json(line: bytes, text_field: str = "text") -> str:
+    """The text of one JSON line's document; raises MalformedLine saying why there is none."""
     if not line.strip():
         raise MalformedLine("an empty line")
     try:
         doc = parse_json(line)
     except Malformed as e:  # bad UTF-8 or JSON, a number past the digit limit, nesting
         raise MalformedLine(str(e)) from None
-    text = doc.get("text") if isinstance(doc, dict) else None
+    text = doc.get(text_field) if isinstance(doc, dict) else None
     if not isinstance(text, str):
-        raise MalformedLine('no "text" string in it')
+        raise MalformedLine(f'no "{text_field}" string in it')
+    return text
+
+
+def tokens_of(tokenizer, text: str) -> list[int]:
+    """A document's tokens, <s> text </s>; raises MalformedLine when the text is not valid Unicode."""
     try:
         return [tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id]
     except ValueError:  # lone surrogates
         raise MalformedLine("its text is not valid Unicode") from None
+
+
+def read_document(tokenizer, line: bytes) -> list[int]:
+    """The tokens of one JSONL line's document (<s> text </s>); raises MalformedLine saying why there is none."""
+    return tokens_of(tokenizer, text_of_json(line))
 
 
 def document(tokenizer, line: bytes) -> list[int] | None:
