@@ -178,8 +178,9 @@ def test_missing_paths_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="missing"):
         build_train_loader(DataArgs(root_dir=str(tmp_path), sources={"missing": 1.0}), TOK, 0, 1)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(UserError, match="no train"):
+    with pytest.raises(UserError, match="holds no shard file"):
         build_train_loader(DataArgs(root_dir=str(tmp_path), sources={"empty": 1.0}), TOK, 0, 1)
+    (tmp_path / "empty" / "train.00000.jsonl").write_text('{"text": "a"}\n')
     with pytest.raises(UserError, match="valid.jsonl"):
         load_validation(DataArgs(root_dir=str(tmp_path), sources={"empty": 1.0}), TOK, 2)
 

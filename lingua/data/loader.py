@@ -16,6 +16,7 @@ reports the loss on them.
 """
 
 import collections
+import glob
 import json
 import logging
 import os
@@ -27,7 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lingua.data.documents import SkippedRows, document
+from lingua.data.documents import MalformedLine, SkippedRows, tokens_of
+from lingua.data.formats import SUFFIXES, documents, is_shard
+from lingua.data.shard_stream import ShardStream, repartition_shards
 from lingua.data.source_stream import SourceStream, line_start_at_or_after, rank_segments
 from lingua.data.tokenizer import TokenizerArgs
 from lingua.errors import UserError, at_least, require
@@ -44,12 +47,14 @@ class DataArgs:
     batch_size: int = 8  # sequences per rank per micro-batch
     seed: int = 42  # document order and source sampling
     prefetch: int = 8  # batches loaded ahead in a background thread (0: load in the caller's thread)
+    text_field: str = "text"  # the JSON field or parquet column of a shard that holds a document's text
+    shuffle_buffer: int = 1024  # a shard's documents are shuffled in blocks of this many (1: in file order)
     document_mask: bool = False  # each token attends only to its own document of a packed row (off in the paper's
     # tables: the paper does not say whether it packs across documents)
     tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
 
     def __post_init__(self):
-        at_least(self, 1, "seq_len", "batch_size")
+        at_least(self, 1, "seq_len", "batch_size", "shuffle_buffer")
         at_least(self, 0, "prefetch", "seed")
         for name in ("sources", "validation_sources"):
             weights = getattr(self, name).values()
@@ -58,21 +63,77 @@ class DataArgs:
 
 
 def check_args(args: DataArgs) -> None:
-    if not os.path.isdir(args.root_dir):
+    if args.root_dir and not os.path.isdir(args.root_dir):
         raise UserError(f"data root_dir not found: '{args.root_dir}'")
     if not args.sources:
         raise UserError("data.sources is empty: give at least one source folder with a weight")
-    for name in args.sources:
-        if not os.path.isdir(os.path.join(args.root_dir, name)):
-            raise UserError(f"data source folder not found: '{os.path.join(args.root_dir, name)}'")
 
 
-def _train_files(args: DataArgs, name: str) -> list[str]:
-    folder = os.path.join(args.root_dir, name)
-    files = sorted(f for f in os.listdir(folder) if f.startswith("train.") and f.endswith(".jsonl"))
-    if not files:
-        raise UserError(f"no train.*.jsonl files in data source folder '{folder}'")
-    return [os.path.join(folder, f) for f in files]
+@dataclass(frozen=True)
+class SourceFiles:
+    """Where a source's documents are: its folder, and the names (relative to it) of its training and validation
+    files. `prepared`: setup/prepare_data.py's layout (train.*.jsonl chunks shared out by bytes, valid.jsonl); else
+    shards as published, shared out whole."""
+
+    folder: str
+    train: list[str]
+    valid: list[str]
+    prepared: bool = False
+
+    def paths(self, names: list[str]) -> list[str]:
+        return [os.path.join(self.folder, name) for name in names]
+
+
+def source_files(args: DataArgs, name: str) -> SourceFiles:
+    """A source is a folder (searched through for shards), a glob of shards (`dclm/**/*.jsonl.zst`), or a folder in
+    prepare_data's layout; relative to data.root_dir unless absolute. Its validation files are those named valid.*,
+    else its first shard in name order, held out of training."""
+    path = os.path.join(args.root_dir, name)
+    if any(magic in name for magic in "*?["):
+        parts = path.split(os.sep)
+        plain = next(i for i, part in enumerate(parts) if any(magic in part for magic in "*?["))
+        folder = os.sep.join(parts[:plain]) or os.sep
+        names = sorted(os.path.relpath(found, folder) for found in glob.glob(path, recursive=True)
+                       if is_shard(found) and os.path.isfile(found))
+    elif os.path.isdir(path):
+        folder = path
+        chunks = sorted(f for f in os.listdir(path) if f.startswith("train.") and f.endswith(".jsonl"))
+        if chunks:
+            return SourceFiles(path, chunks, ["valid.jsonl"], prepared=True)
+        names = _shards_under(path)
+    else:
+        raise UserError(f"data source not found: '{path}' (a folder of shards, a glob of them, or a folder written "
+                        "by setup/prepare_data.py)")
+    if not names:
+        raise UserError(f"data source '{path}' holds no shard file ({', '.join(SUFFIXES)})")
+    valid = [n for n in names if os.path.basename(n).startswith("valid.")]
+    train = [n for n in names if not os.path.basename(n).startswith("valid.")]
+    if not valid:
+        if len(train) < 2:
+            raise UserError(f"data source '{path}' has one shard: its first shard is held out for validation, so "
+                            "give it two or more, or a valid.* shard")
+        valid, train = train[:1], train[1:]
+    if not train:
+        raise UserError(f"data source '{path}' has only validation shards (valid.*)")
+    return SourceFiles(folder, train, valid)
+
+
+def _shards_under(folder: str) -> list[str]:
+    names = []
+    for parent, folders, files in os.walk(folder):
+        folders[:] = [f for f in folders if not f.startswith(".")]  # not into a hub download's .cache/
+        names += [os.path.relpath(os.path.join(parent, f), folder) for f in files
+                  if is_shard(f) and not f.startswith(".")]
+    return sorted(names)
+
+
+def _open_stream(args: DataArgs, name: str, batch_tokens: float, tokenizer, rank: int, world_size: int):
+    """Rank `rank`'s stream of source `name`; `batch_tokens`: what a batch takes from it on average."""
+    files = source_files(args, name)
+    if files.prepared:
+        return SourceStream(name, files.paths(files.train), rank, world_size, tokenizer, batch_tokens)
+    return ShardStream(name, files.folder, files.train, rank, world_size, tokenizer, batch_tokens, args.seed,
+                       args.text_field, args.shuffle_buffer)
 
 
 class TrainLoader:
@@ -89,8 +150,7 @@ class TrainLoader:
         weights = np.array([args.sources[n] for n in self.names], dtype=np.float64)
         self.weights = weights / weights.sum()
         self.rng = np.random.default_rng([args.seed, rank])
-        self.streams = [SourceStream(n, _train_files(args, n), rank, world_size, tokenizer,
-                                     batch_tokens=args.batch_size * args.seq_len * weight)
+        self.streams = [_open_stream(args, n, args.batch_size * args.seq_len * weight, tokenizer, rank, world_size)
                         for n, weight in zip(self.names, self.weights)]
         if state is not None:
             self._load_state_dict(state)
@@ -246,7 +306,13 @@ def repartition(states: list[dict[str, Any]], world_size: int, args: DataArgs) -
     new = [{"rank": r, "world_size": world_size, "rng": np.random.default_rng([args.seed, r]).bit_generator.state,
             "sources": {}} for r in range(world_size)]
     for name in sorted(args.sources):
-        files = _train_files(args, name)
+        found = source_files(args, name)
+        if not found.prepared:
+            olds = [(old["rank"], old["world_size"], old["sources"][name]) for old in states]
+            for rank, state in enumerate(repartition_shards(name, found.train, olds, world_size, args.seed)):
+                new[rank]["sources"][name] = state
+            continue
+        files = found.paths(found.train)
         sizes = [os.path.getsize(f) for f in files]
         rest, epoch, malformed = [], min(old["sources"][name]["epoch"] for old in states), 0
         for old in states:
@@ -315,16 +381,16 @@ def load_validation(args: DataArgs, tokenizer, n_sequences: int, rank: int = 0, 
         if k == 0:
             continue
         source_rows[name] = k
-        path = os.path.join(args.root_dir, name, "valid.jsonl")
-        if not os.path.isfile(path):
-            raise UserError(f"validation file not found: '{path}'")
+        files = source_files(args, name)
+        paths = files.paths(files.valid)
+        if files.prepared and not os.path.isfile(paths[0]):
+            raise UserError(f"validation file not found: '{paths[0]}'")
         need = world_size * k * args.seq_len
-        tokens, skipped = _read_tokens(path, tokenizer, need)
+        tokens, skipped = _read_tokens(paths, tokenizer, need, args.text_field)
         if len(tokens) < need:
-            raise UserError(f"'{path}' has {len(tokens) // args.seq_len} rows of {args.seq_len} tokens, "
-                            f"{k} per rank x {world_size} ranks needed ({skipped.count} malformed lines skipped)")
-        if skipped.count:
-            logger.warning(skipped.warning(path, "malformed lines"))
+            held_out = paths[0] if len(paths) == 1 else f"the {len(paths)} validation shards of {files.folder}"
+            raise UserError(f"'{held_out}' has {len(tokens) // args.seq_len} rows of {args.seq_len} tokens, "
+                            f"{k} per rank x {world_size} ranks needed ({skipped} malformed lines skipped)")
         mine = tokens[rank * k * args.seq_len : (rank + 1) * k * args.seq_len]
         rows.append(torch.tensor(mine, dtype=torch.long).view(k, args.seq_len))
     return ValidationRows(torch.cat(rows), source_rows)
@@ -340,16 +406,25 @@ def _split_by_weight(n: int, weights: dict[str, float]) -> dict[str, int]:
     return dict(zip(names, counts))
 
 
-def _read_tokens(path: str, tokenizer, limit: int) -> tuple[list[int], SkippedRows]:
-    """The documents' tokens from the start of `path` until there are `limit`, and the malformed lines skipped."""
+def _read_tokens(paths: list[str], tokenizer, limit: int, text_field: str) -> tuple[list[int], int]:
+    """The documents' tokens from the start of the files, in order, until there are `limit`, and the count of the
+    malformed rows skipped (each file with some is warned of)."""
     out: list[int] = []
-    skipped = SkippedRows()
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
+    total_skipped = 0
+    for path in paths:
+        skipped = SkippedRows()
+        for number, text in enumerate(documents(path, text_field), 1):
             if len(out) >= limit:
                 break
-            doc = document(tokenizer, line)
-            if doc is None:
-                skipped.add(f"line {number}")
-            out += doc or []
-    return out, skipped
+            try:
+                if isinstance(text, MalformedLine):
+                    raise text
+                out += tokens_of(tokenizer, text)
+            except MalformedLine:
+                skipped.add(f"line {number}" if ".jsonl" in path else f"row {number}")
+        if skipped.count:
+            logger.warning(skipped.warning(path, "malformed lines"))
+        total_skipped += skipped.count
+        if len(out) >= limit:
+            break
+    return out, total_skipped

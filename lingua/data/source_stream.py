@@ -38,6 +38,37 @@ def rank_segments(files: list[str], sizes: list[int], rank: int, world_size: int
     return segments
 
 
+class EpochLog:
+    """A rank's epochs of one source, logged at most once a minute; an epoch read whole that is smaller than what
+    a batch takes from the source on average (`batch_tokens`) is said once, with the numbers."""
+
+    def __init__(self, source: str, rank: int, batch_tokens: float):
+        self.source, self.rank, self.batch_tokens = source, rank, batch_tokens
+        self.docs, self.tokens, self.whole_epoch = 0, 0, True  # read in this epoch; from its start?
+        self.told_small, self.logged_at = False, -float("inf")
+
+    def read(self, tokens: int) -> None:
+        self.docs, self.tokens = self.docs + 1, self.tokens + tokens
+
+    def resumed(self) -> None:
+        self.docs, self.tokens, self.whole_epoch = 0, 0, False
+
+    def end_epoch(self, epoch: int) -> None:
+        if self.whole_epoch and self.docs and self.tokens < self.batch_tokens and not self.told_small:
+            self.told_small = True
+            logger.warning(
+                f"data source '{self.source}' is smaller than a batch: rank {self.rank}'s share of it holds "
+                f"{self.docs:,} document(s), {self.tokens:,} tokens, and each batch takes about "
+                f"{self.batch_tokens:,.0f} tokens from it (data.batch_size x data.seq_len x its weight), so every "
+                f"batch reads it through about {self.batch_tokens / self.tokens:,.1f} times: add documents, or "
+                "lower data.batch_size or data.seq_len")
+        now = time.monotonic()
+        if now - self.logged_at >= EPOCH_LOG_INTERVAL_S:
+            self.logged_at = now
+            logger.info(f"data source '{self.source}': rank {self.rank} starts epoch {epoch + 1:,}")
+        self.docs, self.tokens, self.whole_epoch = 0, 0, True
+
+
 class SourceStream:
     """One rank's share of one source: an endless stream of tokens, epoch after epoch.
 
@@ -47,13 +78,10 @@ class SourceStream:
 
     Malformed lines are skipped; those of the first epoch are counted (later epochs meet the same lines again). The
     first one of each segment (the rank's share of one file) is reported at once, with why; a segment that had more
-    is summed up when the rank leaves it.
-
-    `batch_tokens` is what a batch takes from this source on average: a rank's share smaller than that is read
-    through several times per batch, which is said once, with the numbers."""
+    is summed up when the rank leaves it."""
 
     def __init__(self, name: str, files: list[str], rank: int, world_size: int, tokenizer, batch_tokens: float):
-        self.name, self.rank, self.batch_tokens = name, rank, batch_tokens
+        self.name, self.rank = name, rank
         self.identities = {f: _identity(os.stat(f)) for f in files}  # what each file was when the run started
         sizes = [identity[0] for identity in self.identities.values()]
         self.total_bytes = sum(sizes)
@@ -70,8 +98,7 @@ class SourceStream:
         self.skip = 0  # tokens of the next document already used in an earlier run
         self.file = None
         self.wraps_without_doc = 0
-        self.epoch_docs, self.epoch_tokens, self.whole_epoch = 0, 0, True  # read in this epoch; from its start?
-        self.told_small, self.epoch_logged_at = False, -float("inf")
+        self.epoch_log = EpochLog(name, rank, batch_tokens)
 
     def take(self, n: int) -> list[int]:
         out: list[int] = []
@@ -96,7 +123,7 @@ class SourceStream:
             if not line.endswith(b"\n") and self.pos + len(line) < self.identities[path][0]:
                 size = os.fstat(self.file.fileno()).st_size
                 raise UserError(f"data file {path} shrank under the running job ({self.identities[path][0]:,} bytes "
-                                f"at the start, {size:,} now): {_CHANGED}")
+                                f"at the start, {size:,} now): {CHANGED}")
             offset, self.pos = self.pos, self.pos + len(line)
             try:
                 doc = read_document(self.tokenizer, line)
@@ -106,7 +133,7 @@ class SourceStream:
                 continue
             self.wraps_without_doc = 0
             self.doc_seg, self.doc_pos = self.seg, offset
-            self.epoch_docs, self.epoch_tokens = self.epoch_docs + 1, self.epoch_tokens + len(doc)
+            self.epoch_log.read(len(doc))
             return doc
 
     def _skip(self, path: str, offset: int, why: MalformedLine) -> None:
@@ -127,37 +154,20 @@ class SourceStream:
             if self.wraps_without_doc > 1:  # a whole epoch passed without one valid document
                 raise UserError(f"data source '{self.name}' has no valid document in rank {self.rank}'s share of "
                                 f"{os.path.dirname(self.own_segments[0][0])}: every line is malformed")
-            self._end_epoch()
+            self.epoch_log.end_epoch(self.epoch)
             self.epoch, self.seg, self.segments = self.epoch + 1, 0, self.own_segments
         self.pos, self.skip = self.segments[self.seg][1], self.segments[self.seg][3]
         self.skipped, self.skipped_from = SkippedRows(), self.pos
-
-    def _end_epoch(self) -> None:
-        """Says once when an epoch read whole was smaller than a batch; logs the next epoch, at most once a
-        minute."""
-        if self.whole_epoch and self.epoch_docs and self.epoch_tokens < self.batch_tokens and not self.told_small:
-            self.told_small = True
-            logger.warning(
-                f"data source '{self.name}' is smaller than a batch: rank {self.rank}'s share of it holds "
-                f"{self.epoch_docs:,} document(s), {self.epoch_tokens:,} tokens, and each batch takes about "
-                f"{self.batch_tokens:,.0f} tokens from it (data.batch_size x data.seq_len x its weight), so every "
-                f"batch reads it through about {self.batch_tokens / self.epoch_tokens:,.1f} times: add documents, or "
-                "lower data.batch_size or data.seq_len")
-        now = time.monotonic()
-        if now - self.epoch_logged_at >= EPOCH_LOG_INTERVAL_S:
-            self.epoch_logged_at = now
-            logger.info(f"data source '{self.name}': rank {self.rank} starts epoch {self.epoch + 1:,}")
-        self.epoch_docs, self.epoch_tokens, self.whole_epoch = 0, 0, True
 
     def _open(self, path: str):
         """The file, if it is still the one the run started with (not removed, replaced, shrunk or rewritten)."""
         try:
             file = open(path, "rb")
         except FileNotFoundError:
-            raise UserError(f"data file {path} vanished under the running job: {_CHANGED}") from None
+            raise UserError(f"data file {path} vanished under the running job: {CHANGED}") from None
         if _identity(os.fstat(file.fileno())) != self.identities[path]:
             file.close()
-            raise UserError(f"data file {path} was replaced or changed under the running job: {_CHANGED}")
+            raise UserError(f"data file {path} was replaced or changed under the running job: {CHANGED}")
         return file
 
     def close(self) -> None:
@@ -185,7 +195,7 @@ class SourceStream:
         self.epoch, self.seg, self.pos = state["epoch"], state["segment"], state["byte"]
         self.doc, self.doc_off, self.skip = [], 0, 0
         self.malformed, self.skipped, self.skipped_from = state["malformed_lines"], SkippedRows(), self.pos
-        self.epoch_docs, self.epoch_tokens, self.whole_epoch = 0, 0, False
+        self.epoch_log.resumed()
         if self.seg >= len(self.segments):  # handed nothing of the resumed epoch: start the next one
             self.seg = len(self.segments) - 1
             self._next_segment()
@@ -193,7 +203,7 @@ class SourceStream:
             self.doc, self.doc_off = self._next_doc(), state["token"]
 
 
-_CHANGED = ("the data must not change while a run reads it: restore it and run the same command to resume from the "
+CHANGED = ("the data must not change while a run reads it: restore it and run the same command to resume from the "
             "newest checkpoint, or start a new run (another dump_dir) on the changed data")
 
 
