@@ -3,6 +3,7 @@ evaluation data's layout, and helpers that run commands and clean up every proce
 
 import contextlib
 import fcntl
+import gzip
 import importlib.util
 import json
 import logging
@@ -68,6 +69,38 @@ def write_corpus(root: Path, n_docs: int = 300, seed: int = 0) -> Path:
         lines = [json.dumps({"text": doc()}) for _ in range(n_docs // 2)]
         (source / f"train.{chunk:05d}.jsonl").write_text("\n".join(lines) + "\n")
     (source / "valid.jsonl").write_text("\n".join(json.dumps({"text": doc()}) for _ in range(60)) + "\n")
+    return root
+
+
+def write_shard(path: Path, rows: list, field: str = "text") -> None:
+    """A shard as published, its format from its name (.jsonl, .jsonl.gz, .jsonl.zst, .parquet in row groups of 5);
+    `rows`: texts, or None for a row without one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.name.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({field: rows, "id": list(range(len(rows)))}), path, row_group_size=5)
+        return
+    lines = b"".join(json.dumps({field: row} if row is not None else {"url": "x"}).encode() + b"\n" for row in rows)
+    if path.name.endswith(".gz"):
+        lines = gzip.compress(lines)
+    elif path.name.endswith(".zst"):
+        import zstandard
+
+        lines = zstandard.ZstdCompressor().compress(lines)
+    path.write_bytes(lines)
+
+
+def write_published_corpus(corpus: Path, root: Path) -> Path:
+    """The tiny corpus's training documents as a corpus is published: ROOT/dclm/global-shard_01/*.jsonl.zst and
+    ROOT/fineweb/data/*.parquet, three shards each (the first of each is held out for validation)."""
+    docs = [json.loads(line)["text"] for file in sorted((corpus / "tiny").glob("train.*.jsonl"))
+            for line in file.read_text().splitlines()]
+    for k in range(6):
+        shard = docs[k::6]
+        write_shard(root / "dclm" / "global-shard_01" / f"shard_{k:08d}.jsonl.zst" if k < 3 else
+                    root / "fineweb" / "data" / f"{k - 3:03d}_00000.parquet", shard)
     return root
 
 

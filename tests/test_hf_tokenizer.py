@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, tiny_argv, write_corpus
+from conftest import read_metrics, tiny_argv, write_corpus, write_published_corpus
 
 from apps.bert.train import APP as BERT
 from apps.crossbert.train import APP as CROSSBERT
@@ -111,13 +111,20 @@ def hf_argv(corpus: Path, dump: Path, tokenizer: Path, steps: int) -> list[str]:
 
 @pytest.mark.parametrize("app", [BERT, CROSSBERT], ids=["bert", "crossbert"])
 def test_a_run_trains_records_the_hash_and_resumes_exactly(corpus, tmp_path, app):
+    """On a corpus as published: zstd JSONL shards and parquet shards, read in place, mixed by weight."""
     file = trained_bpe(tmp_path / "bpe", corpus)
+    published = write_published_corpus(corpus, tmp_path / "published")
+
+    def argv(dump: Path) -> list[str]:
+        return [*(a for a in hf_argv(corpus, dump, file, 20) if not a.startswith("data.sources.")),
+                f"data.root_dir={published}", "data.sources.dclm=0.6", "data.sources.fineweb=0.4"]
+
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(app, load_config(app.args_cls, hf_argv(corpus, straight, file, 20)))
+    train(app, load_config(app.args_cls, argv(straight)))
     shutil.copytree(straight, resumed)  # as if killed after its step-10 checkpoint
     shutil.rmtree(resumed / "checkpoints" / "0000000020")
     (resumed / "consolidated.pt").unlink()
-    train(app, load_config(app.args_cls, hf_argv(corpus, resumed, file, 20)))
+    train(app, load_config(app.args_cls, argv(resumed)))
     reference, continued = read_metrics(straight), read_metrics(resumed)
     assert sorted(continued) == list(range(1, 21))
     assert all(continued[s]["loss"] == reference[s]["loss"] for s in range(11, 21))
@@ -131,7 +138,7 @@ def test_a_run_trains_records_the_hash_and_resumes_exactly(corpus, tmp_path, app
     other = trained_bpe(tmp_path / "other", write_corpus(tmp_path / "other_corpus", seed=1))
     shutil.copyfile(other, file)
     with pytest.raises(UserError, match=r"holds a model of another shape \(data.tokenizer.sha256 "):
-        train(app, load_config(app.args_cls, hf_argv(corpus, resumed, file, 30)))
+        train(app, load_config(app.args_cls, [*argv(resumed), "steps=30"]))
     from lingua.app import load_model
 
     with pytest.raises(UserError, match=r"tokenizer .* \(and its tokenizer_config.json\) is not the one the run was"):

@@ -98,7 +98,7 @@ class ShardStream:
                 if len(self.block_texts) < self.block_size:  # the shard's end
                     self._next_piece()
                 else:
-                    self.block, self.block_texts = self.block + self.block_size, None
+                    self.block, self.index, self.block_texts = self.block + self.block_size, 0, None
                 continue
             text = self.block_texts[self.order[self.index]]
             self._last_position = (self.piece, self.block, self.index)
