@@ -202,3 +202,17 @@ def test_bad_sources_and_changed_shards_are_one_line(tmp_path):
         resumed = shard_stream(tmp_path, 0, 1)
         resumed.load_state_dict(state)
         resumed.take(20)
+
+
+def test_the_data_benchmark_measures_every_format(tmp_path, capsys):
+    from tools import data_benchmark
+
+    write_shard(tmp_path / "corpus" / "a.jsonl.gz", [f"word {k} " * (20 + k % 30) for k in range(200)])
+    data_benchmark.main([f"corpus={tmp_path / 'corpus'}", "seconds=0.05", "shards=", "seq_len=16", "batch_size=2",
+                         "shuffle_buffer=4", "tokenizer.name=bytes"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| .")]
+    assert [row.split(" | ")[0] for row in rows] == ["| .jsonl", "| .jsonl.gz", "| .jsonl.zst", "| .parquet"]
+    write_source(tmp_path / "many", 30, 2)
+    data_benchmark.startup_in_child(str(tmp_path), "many", {"name": "bytes"})
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["first_batch_s"] > 0 and measured["rss_growth_mib"] >= 0
