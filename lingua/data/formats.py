@@ -10,7 +10,6 @@ turned into Python strings: no pandas metadata and no extension type is ever loa
 
 import contextlib
 import gzip
-import io
 import os
 import stat
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from lingua.data.documents import MalformedLine, text_of_json
 from lingua.errors import UserError
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+ZSTD_READ_BYTES = 2**20
 PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: bounded memory whatever a row group holds
 
 
@@ -28,14 +28,21 @@ def is_shard(name: str) -> bool:
 
 def documents(path: str, text_field: str = "text", start: int = 0) -> Iterator[str | MalformedLine]:
     """The texts of the documents of `path` from the start-th on, in file order; a row that holds none is yielded
-    as the MalformedLine saying why (the reader counts it and goes on)."""
-    if path.endswith(".parquet"):
-        yield from _parquet_documents(path, text_field, start)
-        return
-    with open_regular(path) as raw, _decompressed(path, raw) as lines:
-        for index, line in enumerate(lines):
-            if index >= start:
-                yield _text_of_line(line, text_field)
+    as the MalformedLine saying why (the reader counts it and goes on). A file that cannot be decoded (truncated,
+    corrupt, not of its format) is a UserError naming it."""
+    try:
+        if path.endswith(".parquet"):
+            yield from _parquet_documents(path, text_field, start)
+            return
+        with open_regular(path) as raw, _decompressed(path, raw) as decompressed:
+            lines = _zstd_lines(raw) if path.endswith(".zst") else decompressed
+            for index, line in enumerate(lines):
+                if index >= start:
+                    yield _text_of_line(line, text_field)
+    except UserError:
+        raise
+    except Exception as e:  # zstandard.ZstdError, gzip's BadGzipFile and EOFError, pyarrow's ArrowInvalid, OSError
+        raise UserError(f"data file {path} cannot be read: {type(e).__name__}: {e}") from None
 
 
 def _text_of_line(line: bytes, text_field: str) -> str | MalformedLine:
@@ -61,23 +68,35 @@ def open_regular(path: str):
 
 
 def _decompressed(path: str, raw):
-    if path.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw, mode="rb")
-    if path.endswith(".zst"):
-        import zstandard  # only where a zstd shard is read
+    return gzip.GzipFile(fileobj=raw, mode="rb") if path.endswith(".gz") else contextlib.nullcontext(raw)
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=False))
-    return contextlib.nullcontext(raw)
+
+def _zstd_lines(raw) -> Iterator[bytes]:
+    """The lines of a zstd stream of one frame or several. zstandard's stream reader ends quietly where a truncated
+    frame does: here the frame must end with the file, or the file is refused."""
+    import zstandard  # only where a zstd shard is read
+
+    decompressor = zstandard.ZstdDecompressor()
+    frame, inside, pending = decompressor.decompressobj(), False, b""
+    while chunk := raw.read(ZSTD_READ_BYTES):
+        while chunk:
+            pending += frame.decompress(chunk)
+            inside, chunk = not frame.eof, frame.unused_data if frame.eof else b""
+            if frame.eof:
+                frame = decompressor.decompressobj()
+        *lines, pending = pending.split(b"\n")
+        yield from (line + b"\n" for line in lines)
+    if inside:
+        raise EOFError("the file ends inside a zstd frame (truncated)")
+    if pending:
+        yield pending
 
 
 def _parquet_documents(path: str, text_field: str, start: int) -> Iterator[str | MalformedLine]:
     import pyarrow.parquet as pq  # only where a parquet shard is read
 
     with open_regular(path) as raw:
-        try:
-            shard = pq.ParquetFile(raw)
-        except Exception as e:  # pyarrow's ArrowInvalid and kin: not a parquet file, a truncated footer
-            raise UserError(f"data file {path} is not a readable parquet file: {e}") from None
+        shard = pq.ParquetFile(raw)
         names = shard.schema_arrow.names
         if text_field not in names:
             raise UserError(f"data file {path} has no column '{text_field}' (it has {', '.join(names)}): "
