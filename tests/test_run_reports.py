@@ -8,7 +8,7 @@ from conftest import tiny_argv, write_corpus
 
 from apps.bert.train import APP
 from lingua.args import load_config
-from lingua.data import source_stream
+from lingua.data import documents
 from lingua.train import summary_line, train
 
 
@@ -23,7 +23,7 @@ def test_a_corpus_smaller_than_a_batch_is_said_once_with_its_numbers(tmp_path):
     (tmp_path / "data" / "tiny" / "train.00000.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
     started = time.monotonic()
     run(tiny_argv(tmp_path / "data", tmp_path / "run", steps=3) + ["validation.every=0"])
-    minutes = (time.monotonic() - started) / source_stream.EPOCH_LOG_INTERVAL_S
+    minutes = (time.monotonic() - started) / documents.EPOCH_LOG_INTERVAL_S
     log = (tmp_path / "run" / "train.log").read_text().splitlines()
     epochs = [line for line in log if "starts epoch" in line]
     assert 1 <= len(epochs) <= 1 + minutes, epochs

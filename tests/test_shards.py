@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import write_shard
 
-from lingua.data import formats
-from lingua.data.documents import MalformedLine
-from lingua.data.formats import documents
+from lingua.data import documents as documents_module
+from lingua.data.documents import MalformedLine, documents
 from lingua.data.loader import DataArgs, TrainLoader, load_validation, repartition, source_files
 from lingua.data.shard_stream import ShardStream, repartition_shards
 from lingua.errors import UserError
@@ -171,8 +170,8 @@ def test_a_source_of_many_shards_opens_one_when_it_reads(tmp_path, monkeypatch):
     for shard in range(300):
         write_shard(tmp_path / "web" / f"{shard:05d}.jsonl", texts(shard, 1))
     opened = []
-    monkeypatch.setattr(formats, "open_regular", lambda path, open=formats.open_regular: opened.append(path) or
-                        open(path))
+    real_open = documents_module.open_regular
+    monkeypatch.setattr(documents_module, "open_regular", lambda path: opened.append(path) or real_open(path))
     args = DataArgs(root_dir=str(tmp_path), sources={"web": 1}, seq_len=4, batch_size=1, prefetch=0)
     with TrainLoader(args, TOK, 0, 1) as loader:
         assert opened == []

@@ -20,10 +20,11 @@ import time
 from dataclasses import dataclass, field
 
 from lingua.args import command_line, load_config
-from lingua.data.formats import SUFFIXES, documents
+from lingua.data.documents import SUFFIXES, documents
 from lingua.data.loader import DataArgs, TrainLoader, source_files
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.errors import UserError, at_least
+from lingua.files.untrusted import parse_json
 
 SHARDS_PER_SOURCE = 5
 
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"startup_in_child({root!r}, 'many_{n}', {dataclasses.asdict(args.tokenizer)!r})")
                 child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-                m = json.loads(child.stdout.splitlines()[-1])
+                m = parse_json(child.stdout.splitlines()[-1], dict)
                 print(f"| {n:,} | {m['first_batch_s']:.2f} | {m['rss_growth_mib']:.1f} |", flush=True)
 
 

@@ -28,8 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lingua.data.documents import MalformedLine, SkippedRows, tokens_of
-from lingua.data.formats import SUFFIXES, documents, is_shard
+from lingua.data.documents import SUFFIXES, MalformedLine, SkippedRows, documents, is_shard, tokens_of
 from lingua.data.shard_stream import ShardStream, repartition_shards
 from lingua.data.source_stream import SourceStream, line_start_at_or_after, rank_segments
 from lingua.data.tokenizer import TokenizerArgs

@@ -1,4 +1,4 @@
-"""One rank's share of a source of shard files read in place (any format of lingua/data/formats.py): an endless
+"""One rank's share of a source of shard files read in place (any format of lingua/data/documents.py): an endless
 stream of tokens, and the state that resumes it exactly, on the same number of ranks or on another.
 
 Order: every epoch, the source's shards are permuted from (seed, source, epoch), and rank r of W reads those at
@@ -22,9 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from lingua.data.documents import MalformedLine, SkippedRows, tokens_of
-from lingua.data.formats import documents
-from lingua.data.source_stream import CHANGED, EpochLog
+from lingua.data.documents import CHANGED, EpochLog, MalformedLine, SkippedRows, documents, tokens_of
 from lingua.errors import UserError
 
 logger = logging.getLogger(__name__)

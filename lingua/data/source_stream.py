@@ -13,16 +13,13 @@ by re-reading that one line.
 
 import logging
 import os
-import time
 from typing import Any
 
-from lingua.data.documents import MalformedLine, SkippedRows, read_document
+from lingua.data.documents import CHANGED, EpochLog, MalformedLine, SkippedRows, read_document
 from lingua.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-EPOCH_LOG_INTERVAL_S = 60  # a source read through many times a minute (one smaller than a batch) logs its epochs
-# at most this often
 
 
 def rank_segments(files: list[str], sizes: list[int], rank: int, world_size: int) -> list[list]:
@@ -36,37 +33,6 @@ def rank_segments(files: list[str], sizes: list[int], rank: int, world_size: int
             segments.append([path, start, end, 0])
         file_start += size
     return segments
-
-
-class EpochLog:
-    """A rank's epochs of one source, logged at most once a minute; an epoch read whole that is smaller than what
-    a batch takes from the source on average (`batch_tokens`) is said once, with the numbers."""
-
-    def __init__(self, source: str, rank: int, batch_tokens: float):
-        self.source, self.rank, self.batch_tokens = source, rank, batch_tokens
-        self.docs, self.tokens, self.whole_epoch = 0, 0, True  # read in this epoch; from its start?
-        self.told_small, self.logged_at = False, -float("inf")
-
-    def read(self, tokens: int) -> None:
-        self.docs, self.tokens = self.docs + 1, self.tokens + tokens
-
-    def resumed(self) -> None:
-        self.docs, self.tokens, self.whole_epoch = 0, 0, False
-
-    def end_epoch(self, epoch: int) -> None:
-        if self.whole_epoch and self.docs and self.tokens < self.batch_tokens and not self.told_small:
-            self.told_small = True
-            logger.warning(
-                f"data source '{self.source}' is smaller than a batch: rank {self.rank}'s share of it holds "
-                f"{self.docs:,} document(s), {self.tokens:,} tokens, and each batch takes about "
-                f"{self.batch_tokens:,.0f} tokens from it (data.batch_size x data.seq_len x its weight), so every "
-                f"batch reads it through about {self.batch_tokens / self.tokens:,.1f} times: add documents, or "
-                "lower data.batch_size or data.seq_len")
-        now = time.monotonic()
-        if now - self.logged_at >= EPOCH_LOG_INTERVAL_S:
-            self.logged_at = now
-            logger.info(f"data source '{self.source}': rank {self.rank} starts epoch {epoch + 1:,}")
-        self.docs, self.tokens, self.whole_epoch = 0, 0, True
 
 
 class SourceStream:
@@ -202,9 +168,6 @@ class SourceStream:
         elif state["token"]:
             self.doc, self.doc_off = self._next_doc(), state["token"]
 
-
-CHANGED = ("the data must not change while a run reads it: restore it and run the same command to resume from the "
-            "newest checkpoint, or start a new run (another dump_dir) on the changed data")
 
 
 def _identity(stat: os.stat_result) -> tuple[int, int, int]:
