@@ -15,7 +15,9 @@ else. An app that trains on something other than packed text rows (contrastive t
 (and `configure`, to take that run's shapes); one scored otherwise than by a loss on held-out rows gives `validate`
 (fine-tuning: dev-set metrics); one measured otherwise too during training registers `evaluations` (the shipped
 apps: the frozen GLUE probes, with an `eval` section in their TrainArgs; an app of yours: e.g. an STS score); one
-that predicts `<mask>`ed tokens declares how on its model (`AppModel.masked_lm`), which the export follows.
+that predicts `<mask>`ed tokens declares how on its model (`AppModel.masked_lm`), which the export follows; one
+whose attention can keep each token to its own document of a row (data.document_mask) says so (`masks_documents`)
+and passes the ids `with_document_ids` adds to its batch on to attention.
 `configure` decides and reads no file: the loop reads, once, what the run starts from (lingua/training/resume.py
 `Start`: init_from opened, the resumed run's config, the data pipeline's `check`). The loop builds the model on the
 meta device, parallelises it, materialises it and calls `init_weights`; it owns the data, the optimizer, the
@@ -36,7 +38,7 @@ from torch import nn
 
 from lingua.args import from_dict, load_config
 from lingua.checkpoint.store import Checkpoint, short_reason
-from lingua.data.loader import build_train_loader, load_validation, repartition
+from lingua.data.loader import build_train_loader, document_ids, document_start, load_validation, repartition
 from lingua.data.tokenizer import build_tokenizer
 from lingua.distributed import DistributedArgs, Launch
 from lingua.errors import UserError
@@ -85,6 +87,8 @@ class AppModel(nn.Module, abc.ABC):
     # weights for them too)
     masked_lm: MaskedLMHead | None = None  # how it predicts a `<mask>`ed token outside training (the export's
     # AutoModelForMaskedLM); None: it predicts no token (e.g. a contrastive or fine-tuning model)
+    masks_documents = False  # its make_batch and forward keep each token to its own document (`with_document_ids`)
+    document_start: int | None = None  # the token starting each document of a row, set by `separate_documents`
 
     @abc.abstractmethod
     def make_batch(self, tokens: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -107,6 +111,20 @@ class AppModel(nn.Module, abc.ABC):
     def head_flops_per_token_view(self, seq_len: int) -> float:
         """The FLOPs per token-view of the output heads that `flops_per_token_view` leaves out (the paper's
         convention); the sum of both is what a step runs, and what MFU counts."""
+
+    def separate_documents(self, start: int | None) -> None:
+        """From now on each token of a batch's rows attends only to its own document, each starting at the token
+        `start` (data.document_mask: <s>); None: to its whole row, the default. A model that cannot refuses."""
+        if start is not None and not self.masks_documents:
+            raise UserError(f"data.document_mask: {type(self).__name__} cannot keep tokens to their own document")
+        self.document_start = start
+
+    def with_document_ids(self, batch: dict[str, torch.Tensor], tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`make_batch`'s batch, plus `document_ids` [B, S] (which document each token of the rows `tokens` is) when
+        documents are separated: from the rows as loaded, before any masking or corruption, once per batch."""
+        if self.document_start is not None:
+            batch["document_ids"] = document_ids(tokens, self.document_start)
+        return batch
 
     @property
     def backbone(self) -> Encoder:
@@ -166,9 +184,12 @@ class DataPipeline:
     row_shape: Callable  # (data args) -> the shape of one row of a batch, e.g. (seq_len,)
     check: Callable = lambda args: {}  # (data args as given) -> facts `configure` decides from, e.g. {"train_rows":
     # N}; reads the data at the start, so that bad data stops the run before anything is written
+    document_start: Callable = lambda args, tokenizer: None  # (data args, tokenizer) -> the token that starts each
+    # document of a row when each token must attend only to its own document (`AppModel.separate_documents`), or None
 
 
-TEXT = DataPipeline(build_train_loader, load_validation, repartition, lambda args: (args.seq_len,))
+TEXT = DataPipeline(build_train_loader, load_validation, repartition, lambda args: (args.seq_len,),
+                    document_start=document_start)
 
 
 @dataclass

@@ -187,6 +187,7 @@ class Trainer:
         self.tokenizer = build_tokenizer(config.data.tokenizer)
         self.model = build_model(app.build_model, config.model, self.tokenizer, device, config.seed,
                                  (config.distributed, launch), plan=app.parallelize)
+        self.model.separate_documents(app.data.document_start(config.data, self.tokenizer))
         check_batch_shape(self.model, app.data.row_shape(config.data), device)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.params = {"app": app.name, "config": to_dict(config)}

@@ -13,7 +13,7 @@ from conftest import REPO, run_to_the_end, tagged_processes
 
 from lingua.data.tokenizer import default_tokenizer_dir
 
-PARTS = ["environment", "tests", "benchmark", "profile", "training", "glue"]
+PARTS = ["environment", "tests", "benchmark", "profile", "training", "glue", "document_mask"]
 
 
 def acceptance_module():

@@ -12,7 +12,7 @@ import torch
 from lingua.app import AppModel, MaskedLMHead
 from lingua.model.flops import encoder_flops_per_token, output_head_flops
 from lingua.model.masking import check_mask_ratio, gather_tokens, masked_positions
-from lingua.model.transformer import Encoder, TransformerArgs, default_positions
+from lingua.model.transformer import Encoder, TransformerArgs, default_positions, document_mask
 
 
 @dataclass
@@ -25,6 +25,7 @@ class BertArgs:
 
 
 class Bert(AppModel):
+    masks_documents = True
     masked_lm = MaskedLMHead("encoder", "BERT's masked-LM head")
 
     def __init__(self, args: BertArgs, vocab_size: int, mask_id: int):
@@ -34,14 +35,14 @@ class Bert(AppModel):
 
     def make_batch(self, tokens: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         mask_idx = masked_positions(tokens, self.args.mask_ratio, generator)
-        return {
+        return self.with_document_ids({
             "inputs": tokens.scatter(1, mask_idx, self.mask_id),
             "mask_idx": mask_idx,
             "targets": tokens.gather(1, mask_idx),
-        }
+        }, tokens)
 
-    def forward(self, inputs, mask_idx, targets) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        h = self.encoder(inputs, default_positions(inputs))
+    def forward(self, inputs, mask_idx, targets, document_ids=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        h = self.encoder(inputs, default_positions(inputs), document_mask(document_ids))
         return self.encoder.lm_loss(gather_tokens(h, mask_idx), targets)
 
     def flops_per_token_view(self, seq_len: int) -> float:

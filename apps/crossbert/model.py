@@ -177,6 +177,7 @@ def view_ids(lengths: tuple[int, int], device) -> torch.Tensor:
 
 
 class CrossBert(AppModel):
+    masks_documents = True
     masked_lm = MaskedLMHead("cross_attention", "CrossBERT's predictor", network="predictor")
 
     def __init__(self, args: CrossBertArgs, vocab_size: int):
@@ -197,29 +198,44 @@ class CrossBert(AppModel):
             return self._rows(tokens, visible, masked)
         return self._rows(tokens, torch.cat([visible, masked], 1), torch.cat([masked, visible], 1))
 
-    @staticmethod
-    def _rows(tokens, encoder_positions, query_positions) -> dict[str, torch.Tensor]:
-        return {
+    def _rows(self, tokens, encoder_positions, query_positions) -> dict[str, torch.Tensor]:
+        return self.with_document_ids({
             "inputs": tokens.gather(1, encoder_positions),
             "positions": encoder_positions,
             "query_positions": query_positions,
             "targets": tokens.gather(1, query_positions),
-        }
+        }, tokens)
 
-    def forward(self, inputs, positions, query_positions, targets):
-        return self.encoder.lm_loss(self.predict(inputs, positions, query_positions), targets)
+    def forward(self, inputs, positions, query_positions, targets, document_ids=None):
+        return self.encoder.lm_loss(self.predict(inputs, positions, query_positions, document_ids), targets)
 
-    def predict(self, inputs, positions, query_positions) -> torch.Tensor:
-        """Predictor outputs [B, Q, D_enc] before the tied head; with CMS each view attends within itself only."""
-        encoder_mask, predictor_mask = self.view_masks(*inputs.shape) if self.args.cms else (None, None)
+    def predict(self, inputs, positions, query_positions, document_ids=None) -> torch.Tensor:
+        """Predictor outputs [B, Q, D_enc] before the tied head; with CMS each view attends within itself only, and
+        with `document_ids` each token (query) within its own document too."""
+        encoder_mask, predictor_mask = self.attention_masks(positions, query_positions, document_ids)
         h = self.encoder(inputs, positions, encoder_mask)
         return self.predictor(h, positions, query_positions, predictor_mask)
 
-    def view_masks(self, batch: int, seq_len: int) -> tuple[AttnMask | Segments, AttnMask | Segments]:
-        """The encoder's and the predictor's attention structure for CMS rows of seq_len tokens."""
+    def attention_masks(self, positions, query_positions,
+                        document_ids=None) -> tuple[AttnMask | Segments | None, AttnMask | Segments | None]:
+        """The encoder's and the predictor's masks: CMS's views, the documents of the sequences' tokens
+        (`document_ids` [B, S], gathered at the encoder's `positions` and the predictor's `query_positions`), or
+        both. With documents the views become group ids too: `Segments` can mask nothing inside a view."""
+        views = self.view_masks(*positions.shape, document_ids is not None) if self.args.cms else (None, None)
+        if document_ids is None:
+            return views
+        encoder_documents = document_ids.gather(1, positions)
+        documents = (AttnMask(encoder_documents, encoder_documents),
+                     AttnMask(document_ids.gather(1, query_positions), encoder_documents))
+        return tuple(mask if view is None else mask.within(view, 2) for mask, view in zip(documents, views))
+
+    def view_masks(self, batch: int, seq_len: int,
+                   group_ids: bool = False) -> tuple[AttnMask | Segments, AttnMask | Segments]:
+        """The encoder's and the predictor's attention structure for CMS rows of seq_len tokens (as group ids with
+        `cms_attention: mask`, or when asked)."""
         layout = self.args.layout(seq_len)
         encoder_lengths, query_lengths = layout.encoder_lengths, layout.query_lengths
-        if self.args.cms_attention == "segments":
+        if self.args.cms_attention == "segments" and not group_ids:
             return Segments(encoder_lengths, encoder_lengths), Segments(query_lengths, encoder_lengths)
         encoder_views, query_views = (view_ids(lengths, self.predictor.mask_embedding.device).expand(batch, -1)
                                       for lengths in (encoder_lengths, query_lengths))

@@ -24,13 +24,16 @@ from lingua.errors import at_least, require
 from lingua.model.flops import encoder_flops_per_token, output_head_flops
 from lingua.model.masking import check_mask_ratio, gather_tokens, masked_lm_loss, masked_positions
 from lingua.model.transformer import (
+    AttnMask,
     Encoder,
     RMSNorm,
     RotaryEmbedding,
     SelfAttentionBlock,
     TransformerArgs,
+    build_attn_bias,
     check_sub_network,
     default_positions,
+    document_mask,
     head_dim_of,
     quarter_depth,
     sub_network,
@@ -77,10 +80,11 @@ class Generator(nn.Module):
         self.layers = nn.ModuleList(SelfAttentionBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, mask: AttnMask | None = None) -> torch.Tensor:
         rope = self.rope(positions)
+        bias = build_attn_bias(mask, self.args.attn_backend, self.args.n_heads)
         for layer in self.layers:
-            h = layer(h, rope, None)
+            h = layer(h, rope, bias)
         return self.norm(h)
 
 
@@ -101,6 +105,7 @@ def corrupt(tokens: torch.Tensor, mask_idx: torch.Tensor, sampled: torch.Tensor)
 
 class Electra(AppModel):
     backbone_name = "discriminator"  # what evaluation reads, on the uncorrupted sequence
+    masks_documents = True
     masked_lm = MaskedLMHead("self_attention", "ELECTRA's generator", network="generator",
                              output_bias=False)  # the generator's tied head has no bias
 
@@ -113,28 +118,31 @@ class Electra(AppModel):
 
     def make_batch(self, tokens: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         mask_idx = masked_positions(tokens, self.args.mask_ratio, generator)
-        return {
+        return self.with_document_ids({
             "tokens": tokens,
             "inputs": tokens.scatter(1, mask_idx, self.mask_id),
             "mask_idx": mask_idx,
             "uniforms": torch.rand(mask_idx.shape, generator=generator, device=tokens.device),  # for the sampling
-        }
+        }, tokens)
 
-    def forward(self, tokens, inputs, mask_idx, uniforms) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        mlm_loss, rtd_loss, stats = self.losses(tokens, inputs, mask_idx, uniforms)
+    def forward(self, tokens, inputs, mask_idx, uniforms,
+                document_ids=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mlm_loss, rtd_loss, stats = self.losses(tokens, inputs, mask_idx, uniforms, document_ids)
         return mlm_loss + self.args.rtd_weight * rtd_loss, stats
 
-    def losses(self, tokens, inputs, mask_idx, uniforms):
+    def losses(self, tokens, inputs, mask_idx, uniforms, document_ids=None):
         """The generator's MLM loss, the discriminator's RTD loss (gradients reach the generator only through the
-        first: the sampling is not differentiated) and the logged stats."""
-        positions = default_positions(tokens)
-        hidden = self.generator(self.discriminator.embed(inputs), positions)
+        first: the sampling is not differentiated) and the logged stats. Both networks keep each token to its
+        document of the original rows (`document_ids`, never read from the corrupted ones: a sampled token may be
+        a <s>)."""
+        positions, documents = default_positions(tokens), document_mask(document_ids)
+        hidden = self.generator(self.discriminator.embed(inputs), positions, documents)
         logits = F.linear(gather_tokens(hidden, mask_idx), self.discriminator.tok_embeddings.weight)
         targets = tokens.gather(1, mask_idx)
         mlm_loss, mlm_stats = masked_lm_loss(logits, targets)
         with torch.no_grad():
             corrupted, labels = corrupt(tokens, mask_idx, sample_replacements(logits, uniforms))
-        rtd_logits = self.rtd_head(self.discriminator(corrupted, positions)).squeeze(-1).float()
+        rtd_logits = self.rtd_head(self.discriminator(corrupted, positions, documents)).squeeze(-1).float()
         rtd_loss = F.binary_cross_entropy_with_logits(rtd_logits, labels)
         stats = {"accuracy": ((rtd_logits > 0).float() == labels).float().mean().detach(),
                  "mlm_loss": mlm_loss.detach(), "rtd_loss": rtd_loss.detach(),

@@ -10,6 +10,9 @@ Mixing: each packed row is drawn from one source, chosen by weight with a per-ra
 buffer per source. Which lines of a source each rank reads, and the state that resumes it exactly, are those of
 lingua/data/source_stream.py.
 
+Documents: with `document_mask`, each token attends only to the tokens of its own document in its row; the apps
+read which document each token is from the rows' <s> tokens (`document_ids`).
+
 Validation: fixed rows, each source's valid.jsonl packed like training rows from its start and split over the
 ranks (`load_validation`), apart from the endless, sharded and resumable training stream; lingua/training/validation.py
 reports the loss on them.
@@ -287,6 +290,21 @@ class ReadAhead:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def document_start(args: DataArgs, tokenizer) -> int | None:
+    """The token that starts each document of a packed row (<s>) when each token attends only to its own document
+    (`document_mask`), else None."""
+    return tokenizer.bos_id if args.document_mask else None
+
+
+def document_ids(rows: torch.Tensor, start: int) -> torch.Tensor:
+    """The document of each token of packed rows [B, S]: the count of documents started (`start`, <s>) up to it in its
+    row, so a row's leading tokens, continued from the previous row, are document 0. Read from the rows as packed,
+    never from a corrupted copy (a <mask> may hide a <s>, a sampled token be one). The gpt2 and bytes tokenizers never
+    encode text as <s> (their text ids lie below it); an hf tokenizer may, where its vocabulary holds a piece spelled
+    as its <s> (a converted sentencepiece's): that document is then split there, and two are still never joined."""
+    return (rows == start).cumsum(1)
 
 
 def build_train_loader(args: DataArgs, tokenizer, rank: int, world_size: int,

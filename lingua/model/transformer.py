@@ -114,6 +114,11 @@ class AttnMask:
     q_ids: torch.Tensor  # [B, Sq] integer
     kv_ids: torch.Tensor  # [B, Sk] integer
 
+    def within(self, groups: "AttnMask", n_groups: int) -> "AttnMask":
+        """Attention that both this mask and `groups` (ids 0..n_groups-1) allow: one id per pair of ids, so that
+        every backend takes it as it takes any mask."""
+        return AttnMask(self.q_ids * n_groups + groups.q_ids, self.kv_ids * n_groups + groups.kv_ids)
+
 
 @dataclass(frozen=True)
 class Segments:
@@ -134,6 +139,11 @@ def padding_mask(pad_mask: torch.Tensor | None) -> AttnMask | None:
         return None
     ids = (~pad_mask).int()
     return AttnMask(ids, ids)
+
+
+def document_mask(document_ids: torch.Tensor | None) -> AttnMask | None:
+    """Keeps each token to the tokens of its own document (document_ids [B, S]); None: to its whole row."""
+    return None if document_ids is None else AttnMask(document_ids, document_ids)
 
 
 class AttentionBackend(abc.ABC):
