@@ -21,9 +21,10 @@ sub-commands:
   local    .txt, .jsonl, .jsonl.gz, .jsonl.zst and .parquet files, or folders searched for them; a .txt file is
            one document, or one document per blank-line-separated block with --txt-docs paragraph, and its bytes
            that are not UTF-8 become U+FFFD; the other formats are read by lingua/data/formats.py, as the loader
-           reads them: JSON lines (or parquet rows) without a non-empty string --text-field, or not UTF-8, are
-           skipped and counted. --workers processes read, parse and serialise the files, each file by one; the
-           output is the same for any number of them
+           reads them: JSON lines that are not UTF-8, and JSON lines or parquet rows without a non-empty string
+           --text-field, are skipped and counted. The files (folders' in name order) enter the shuffle from 16 lanes
+           taking turns, 256 documents at a time (file i in lane i mod 16); --workers processes read, parse and
+           serialise them, whole lanes each, and the output is the same for any number of them
   hub      a HuggingFace hub dataset, streamed (needs `pip install datasets`)
 
 examples:
@@ -214,7 +215,8 @@ def clean(text) -> str | None:
 
 LOCAL_SUFFIXES = (".txt", *formats.SUFFIXES)
 EMPTY_LINE = "an empty line"  # lingua.data.documents' reason for a blank line: skipped here and not counted, as ever
-BATCH_DOCS = 256  # a worker hands its documents over this many at a time
+LANES = 16  # files are read in this many lanes taking turns: up to 16 workers busy, 16 files open
+BATCH_DOCS = 256  # a lane's turn: documents (or skipped inputs) of one file
 QUEUED_BATCHES = 8  # how far a worker may read ahead of the writer: bounded memory, whatever the files hold
 WORKERS_FROM_BYTES = 8 * 2**20  # by default, smaller inputs are read here: starting workers would cost more
 WORKER_POLL_S = 0.2  # how often a process waiting on another checks that it still runs
@@ -288,49 +290,68 @@ def file_batches(path: Path, text_field: str, per_paragraph: bool) -> Iterator[B
 
 
 def local_lines(args, skipped: Skipped) -> Iterator[Line]:
-    """Every input file's documents as written lines, in file order, whatever the number of workers."""
+    """Every input file's documents as written lines: file i is read in lane i mod LANES, and the lanes take turns,
+    a batch of BATCH_DOCS each; the same order for any number of workers, each reading whole lanes."""
     files = input_files(args.inputs)
+    lanes = [files[lane::LANES] for lane in range(min(LANES, len(files)))]
     read = functools.partial(file_batches, text_field=args.text_field, per_paragraph=args.txt_docs == "paragraph")
-    workers = worker_count(args.workers, files)
-    batches = itertools.chain.from_iterable(map(read, files)) if workers == 1 else \
-        batches_in_file_order(files, read, workers)
-    for lines, skips in batches:
-        for where, why in skips:
-            skipped.add(where, why)
-        yield from lines
+    workers = worker_count(args.workers, files, len(lanes))
+    batches = in_turn([lane_batches(paths, read) for paths in lanes]) if workers == 1 else \
+        batches_from_workers(lanes, read, workers)
+    for batch in batches:
+        if batch is not None:
+            lines, skips = batch
+            for where, why in skips:
+                skipped.add(where, why)
+            yield from lines
 
 
-def worker_count(asked: int | None, files: list[Path]) -> int:
-    """--workers, or by default one per CPU available for inputs of WORKERS_FROM_BYTES or more; one per file at most."""
+def worker_count(asked: int | None, files: list[Path], lanes: int) -> int:
+    """--workers, or by default one per CPU available for inputs of WORKERS_FROM_BYTES or more; one per lane at most."""
     if asked is None:
         large = sum(f.stat().st_size for f in files) >= WORKERS_FROM_BYTES
         asked = len(os.sched_getaffinity(0)) if large else 1
-    return min(asked, len(files))
+    return min(asked, lanes)
 
 
-def batches_in_file_order(files: list[Path], read: Callable[[Path], Iterator[Batch]],
-                          workers: int) -> Iterator[Batch]:
-    """read(file)'s batches for every file, in file order, from `workers` processes. Worker w reads files w,
-    w + workers, ... into a bounded queue of its own, and the files are taken from the queues in turn: the order
-    (hence the output) is the same for any number of workers, and none reads more than QUEUED_BATCHES ahead."""
+def lane_batches(paths: list[Path], read: Callable[[Path], Iterator[Batch]]) -> Iterator[Batch]:
+    return itertools.chain.from_iterable(map(read, paths))
+
+
+def in_turn(lanes: list[Iterator[Batch]]) -> Iterator[Batch | None]:
+    """The next batch of each lane in turn, and None where a lane ends (it is left out from then on)."""
+    live = list(lanes)
+    while live:
+        for lane in list(live):
+            batch = next(lane, None)
+            if batch is None:
+                live.remove(lane)
+            yield batch
+
+
+def batches_from_workers(lanes: list[list[Path]], read: Callable[[Path], Iterator[Batch]],
+                         workers: int) -> Iterator[Batch | None]:
+    """in_turn over the lanes, read by `workers` processes: worker w reads lanes w, w + workers, ..., in_turn too,
+    into a bounded queue of its own, and each lane here takes its batches from its worker's queue. Both sides take
+    the turns in the same order, so the batches come as without workers, and none reads more than QUEUED_BATCHES
+    ahead."""
     context = multiprocessing.get_context("fork")  # the workers inherit this script however it was loaded
     queues = [context.Queue(QUEUED_BATCHES) for _ in range(workers)]
-    processes = [context.Process(target=_read_files, args=(files[w::workers], read, queues[w], os.getpid()),
+    processes = [context.Process(target=_read_lanes, args=(lanes[w::workers], read, queues[w], os.getpid()),
                                  daemon=True) for w in range(workers)]
     for process in processes:
         process.start()
     try:
-        for i, path in enumerate(files):
-            while (batch := _next_batch(queues[i % workers], processes[i % workers], path)) is not None:
-                yield batch
+        yield from in_turn([_from_worker(queues[lane % workers], processes[lane % workers])
+                            for lane in range(len(lanes))])
     finally:
         for process in processes:
             process.kill()  # they only read: nothing of theirs needs finishing
             process.join()
 
 
-def _read_files(paths: list[Path], read: Callable[[Path], Iterator[Batch]], batches, main: int) -> None:
-    """A worker: the batches of its files in order, each file ended by None; an error ends it."""
+def _read_lanes(lanes: list[list[Path]], read: Callable[[Path], Iterator[Batch]], batches, main: int) -> None:
+    """A worker: in_turn over its lanes, each batch and lane end (None) put in `batches`; an error ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the main process stops us
 
     def hand_over(item) -> None:
@@ -342,33 +363,31 @@ def _read_files(paths: list[Path], read: Callable[[Path], Iterator[Batch]], batc
                 if os.getppid() != main:  # the main process was killed: nobody will take it
                     os._exit(1)
 
-    for path in paths:
-        try:
-            for batch in read(path):
-                hand_over(batch)
-        except UserError as e:
-            hand_over(e)
-            return
-        except Exception:  # a bug: the main process raises it with the worker's traceback
-            hand_over(RuntimeError(f"reading {path}:\n{traceback.format_exc()}"))
-            return
-        hand_over(None)
+    try:
+        for batch in in_turn([lane_batches(paths, read) for paths in lanes]):
+            hand_over(batch)
+    except UserError as e:
+        hand_over(e)
+    except Exception:  # a bug: the main process raises it with the worker's traceback
+        hand_over(RuntimeError(f"a worker process failed:\n{traceback.format_exc()}"))
 
 
-def _next_batch(batches, worker, path: Path) -> Batch | None:
-    """The next batch of `path` from the worker reading it; None at the file's end."""
+def _from_worker(batches, worker) -> Iterator[Batch]:
+    """One lane's batches as its worker hands them over, up to the lane's end (None)."""
     while True:
         ended = worker.exitcode is not None  # checked first: what it put before it ended is in the queue by then
         try:
             item = batches.get(timeout=WORKER_POLL_S)
         except queue.Empty:
             if ended:
-                raise UserError(f"the worker process reading {path} ended before the file's end (exit code "
+                raise UserError(f"a worker process reading the input files ended before them (exit code "
                                 f"{worker.exitcode}; killed, out of memory?)") from None
             continue
         if isinstance(item, Exception):
             raise item
-        return item
+        if item is None:
+            return
+        yield item
 
 
 # ---------------------------------------------------------------- HuggingFace hub
@@ -530,7 +549,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     local.add_argument("--txt-docs", choices=("file", "paragraph"), default="file",
                        help="a .txt file is one document, or one per blank-line-separated block (default: file)")
     local.add_argument("--workers", type=positive_int, default=None,
-                       help="processes that read, parse and serialise the files, each file by one; the output is the "
+                       help=f"processes that read, parse and serialise the files, up to {LANES}; the output is the "
                             f"same for any number (default: one per CPU available, {len(os.sched_getaffinity(0))} "
                             f"here, for inputs of {WORKERS_FROM_BYTES // 2**20} MiB or more; else none: this process "
                             "reads them)")
