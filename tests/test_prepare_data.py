@@ -174,7 +174,7 @@ def test_a_worker_that_fails_or_dies_stops_the_write_with_one_line(tmp_path, mon
         (folder / name).write_text('{"text": "x"}\n')
     (folder / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 100)[:40])
     argv = ["local", "--root", str(tmp_path / "data"), "--source", "src", "--workers", "2", str(folder)]
-    refused(capsys, argv, "b.jsonl.gz: cannot read (")
+    refused(capsys, argv, "b.jsonl.gz cannot be read: EOFError")
     real_file_batches = prep.file_batches
 
     def killed_on_c(path, **kwargs):
@@ -189,7 +189,7 @@ def test_a_worker_that_fails_or_dies_stops_the_write_with_one_line(tmp_path, mon
 
 @pytest.mark.parametrize("setup, message", [
     (lambda d: None, "no such file"),
-    (lambda d: (d / "x.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 100)[:40]), "cannot read"),
+    (lambda d: (d / "x.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 100)[:40]), "cannot be read: EOFError"),
     (lambda d: (d / "x.csv").write_text("a,b\n"), "unsupported file type"),
 ])
 def test_bad_inputs_exit_with_one_line_error(tmp_path, capsys, setup, message):
