@@ -189,7 +189,7 @@ def test_a_worker_that_fails_or_dies_stops_the_write_with_one_line(tmp_path, mon
 
 @pytest.mark.parametrize("setup, message", [
     (lambda d: None, "no such file"),
-    (lambda d: (d / "x.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 100)[:40]), "cannot be read: EOFError"),
+    (lambda d: (d / "x.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 100)[:40]), "cannot be read"),
     (lambda d: (d / "x.csv").write_text("a,b\n"), "unsupported file type"),
 ])
 def test_bad_inputs_exit_with_one_line_error(tmp_path, capsys, setup, message):
