@@ -184,8 +184,10 @@ def test_bad_sources_and_changed_shards_are_one_line(tmp_path):
     with pytest.raises(UserError, match="has 2 training shard file\\(s\\) for 3 ranks"):
         shard_stream(tmp_path, 0, 3)
     write_shard(tmp_path / "one" / "a.jsonl.zst", texts(0, 3))
-    with pytest.raises(UserError, match="has one shard: its first shard is held out for validation"):
-        source_files(DataArgs(root_dir=str(tmp_path), sources={"one": 1}), "one")
+    with pytest.raises(UserError, match="has no training shard: its valid.* shards, else its first shard, are held"):
+        TrainLoader(DataArgs(root_dir=str(tmp_path), sources={"one": 1}), TOK, 0, 1)
+    assert load_validation(DataArgs(root_dir=str(tmp_path), sources={"one": 1}, seq_len=4), TOK, 1).tokens.shape \
+        == (1, 4)  # a source validated on only
     write_shard(tmp_path / "cols" / "a.parquet", texts(0, 3), field="content")
     write_shard(tmp_path / "cols" / "b.parquet", texts(0, 3), field="content")
     with pytest.raises(UserError, match="has no column 'text' \\(it has content, id\\): set data.text_field"):

@@ -111,13 +111,8 @@ def source_files(args: DataArgs, name: str) -> SourceFiles:
     valid = [n for n in names if os.path.basename(n).startswith("valid.")]
     train = [n for n in names if not os.path.basename(n).startswith("valid.")]
     if not valid:
-        if len(train) < 2:
-            raise UserError(f"data source '{path}' has one shard: its first shard is held out for validation, so "
-                            "give it two or more, or a valid.* shard")
         valid, train = train[:1], train[1:]
-    if not train:
-        raise UserError(f"data source '{path}' has only validation shards (valid.*)")
-    return SourceFiles(folder, train, valid)
+    return SourceFiles(folder, train, valid)  # no training shard: a source validated on only (Figure 5's)
 
 
 def _shards_under(folder: str) -> list[str]:
@@ -132,6 +127,9 @@ def _shards_under(folder: str) -> list[str]:
 def _open_stream(args: DataArgs, name: str, batch_tokens: float, tokenizer, rank: int, world_size: int):
     """Rank `rank`'s stream of source `name`; `batch_tokens`: what a batch takes from it on average."""
     files = source_files(args, name)
+    if not files.train:
+        raise UserError(f"data source '{os.path.join(args.root_dir, name)}' has no training shard: its valid.* shards, "
+                        "else its first shard, are held out for validation, so give it another shard")
     if files.prepared:
         return SourceStream(name, files.paths(files.train), rank, world_size, tokenizer, batch_tokens)
     return ShardStream(name, files.folder, files.train, rank, world_size, tokenizer, batch_tokens, args.seed,
