@@ -173,6 +173,27 @@ def test_a_stopped_pipeline_stops_its_stage_and_the_same_command_goes_on(tmp_pat
     finish_without_redoing_the_first_stage(tmp_path, spec, stages)
 
 
+STOPPED_AS_IT_STARTS = """
+import os, signal, sys
+from lingua.jobs import pipeline_stage
+from lingua.jobs.pipeline_plan import Stage
+write = pipeline_stage.atomic_write
+def write_then_stop(path, text):  # the pipeline is stopped the moment started.json exists, as a test or user sees it
+    write(path, text)
+    os.kill(os.getpid(), signal.SIGTERM)
+pipeline_stage.atomic_write = write_then_stop
+stage = Stage("slow", "timeit", ["-n", "1", "import time; time.sleep(60)"], after=[])
+print(pipeline_stage.run_stage(sys.argv[1], stage, "."))
+"""
+
+
+def test_a_stop_the_moment_a_stage_has_started_stops_its_command(tmp_path):
+    """The stop handler is in place before the stage's command starts and started.json says so."""
+    done = run_to_the_end([sys.executable, "-c", STOPPED_AS_IT_STARTS, str(tmp_path / "slow")], timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["stopped"], (done.returncode, done.stderr[-2000:])
+    assert not (tmp_path / "slow" / "started.json").exists() and not (tmp_path / "slow" / "done.json").exists()
+
+
 def test_a_killed_pipeline_is_resumed_once_its_orphaned_stage_is_gone(tmp_path):
     """SIGKILL leaves the stage's command running in its own process group: a rerun refuses to start it twice."""
     spec, stages, proc = start_until_slow_runs(tmp_path)

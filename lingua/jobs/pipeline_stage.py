@@ -56,22 +56,28 @@ def run_stage(folder: str, stage: Stage, code: str) -> str:
     with out:
         out.write(f"$ {shlex.join(stage.command())}\n".encode())
         out.flush()
-        process = subprocess.Popen(stage.command(), cwd=code, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        if rank == 0:  # the command's process group outlives a runner killed with SIGKILL: it is recorded too
-            atomic_write(folder_path / STAGE_STARTED, json.dumps({**this_process(process.pid), "line": stage.line}))
+        process: subprocess.Popen | None = None
 
         def forward(signum, frame):
             received.append(signum)
-            process.send_signal(signum)
+            if process is not None:
+                process.send_signal(signum)
 
+        # in place before the command starts and before started.json says so: a stop never finds the default action
         previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
         try:
+            process = subprocess.Popen(stage.command(), cwd=code, stdout=out, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+            if received:  # it came while the command started
+                process.send_signal(received[-1])
+            if rank == 0:  # the command's process group outlives a runner killed with SIGKILL: it is recorded too
+                atomic_write(folder_path / STAGE_STARTED, json.dumps({**this_process(process.pid), "line": stage.line}))
             exit_code = process.wait()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            _stop(process)
+            if process is not None:
+                _stop(process)
             if rank == 0:
                 (folder_path / STAGE_STARTED).unlink(missing_ok=True)
     if received:  # neither done nor failed: the next run of the pipeline runs it again
