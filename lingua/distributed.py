@@ -30,6 +30,7 @@ class DistributedArgs:
     fsdp_type: str = "full_shard"  # full_shard | no_shard (replicated) | hybrid_shard (shard in groups, replicate)
     shard_size: int = 0  # hybrid_shard: ranks per shard group; 0 = the processes of one node
     compile: bool = False  # torch.compile each block (static shapes: compiled once)
+    compile_backend: str = "inductor"  # torch.compile's backend; aot_eager tells a tracing fault from Inductor's code
     activation_checkpointing: str = "none"  # none | full (recompute each block) | selective (keep matmul outputs)
     timeout_minutes: float = 30  # a collective that waits longer ends the job with one line naming the rank
 
@@ -39,6 +40,11 @@ class DistributedArgs:
                 f"must be one of {', '.join(AC_MODES)}")
         at_least(self, 0, "shard_size")
         require(self.timeout_minutes > 0, "timeout_minutes", f"must be > 0, got {self.timeout_minutes}")
+        if self.compile:
+            from torch._dynamo import list_backends
+
+            backends = list_backends(exclude_tags=())
+            require(self.compile_backend in backends, "compile_backend", f"must be one of {', '.join(backends)}")
 
 
 # ------------------------------------------------------------------------------------------------------- launch

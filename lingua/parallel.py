@@ -32,7 +32,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], args: DistributedArgs
         if args.activation_checkpointing != "none":
             _checkpoint_activations(block, args.activation_checkpointing)
         if args.compile:
-            block.compile(fullgraph=True)
+            block.compile(fullgraph=True, backend=args.compile_backend)
     if dist.is_initialized():  # several processes, or torchrun's one
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 

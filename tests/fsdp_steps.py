@@ -5,9 +5,9 @@ whose rows and masks do not depend on the number of processes: each rank takes i
     torchrun --nproc-per-node 2 tests/fsdp_steps.py OUT.json CONFIGURATION [CONFIGURATION ...]
 
 A CONFIGURATION is one argument of space-separated settings, each optional: "app=bert fsdp_type=full_shard ac=none
-compile=false grad_acc=1 bf16=false". One launch runs them one after the other, each model built afresh (starting
-the processes costs more than the steps). Rank 0 writes {configuration: per step, the loss (mean over all rows) and
-the gradient norm}. Used by tests/test_distributed.py.
+compile=false backend=inductor grad_acc=1 bf16=false". One launch runs them one after the other, each model built
+afresh (starting the processes costs more than the steps). Rank 0 writes {configuration: per step, the loss (mean
+over all rows) and the gradient norm}. Used by tests/test_distributed.py.
 """
 
 import json
@@ -30,12 +30,12 @@ GLOBAL_ROWS, SEQ_LEN, STEPS = 8, 32, 4
 
 
 def steps(launch, device, app: str = "bert", fsdp_type: str = "full_shard", ac: str = "none", compile: str = "false",
-          grad_acc: str = "1", bf16: str = "false") -> list[dict]:
+          backend: str = "inductor", grad_acc: str = "1", bf16: str = "false") -> list[dict]:
     app = {"bert": BERT, "crossbert": CROSSBERT}[app]
     model_args = load_config(app.args_cls, ["dump_dir=x", "model.encoder.dim=32", "model.encoder.n_layers=2",
                                             "model.encoder.n_heads=2", "model.encoder.max_seqlen=32"]).model
     parallel = replace(DistributedArgs(), fsdp_type=fsdp_type, activation_checkpointing=ac,
-                       compile=compile == "true")
+                       compile=compile == "true", compile_backend=backend)
     tokenizer = build_tokenizer(TokenizerArgs(name="bytes"))
     def plan(model, args, launch, device):  # FSDP2's bf16 policy (the GPUs') when asked, on the CPU
         parallelize(model, model.sharding_units(), args, launch, device, mixed_precision=bf16 == "true")

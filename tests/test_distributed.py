@@ -54,7 +54,7 @@ ON_ONE_PROCESS = [*(f"app={app} grad_acc=2" for app in APPS), *(f"app={app}" for
                   "app=crossbert ac=full", "app=crossbert ac=selective"]
 ON_TWO_PROCESSES = [*(f"app={app} grad_acc=2 fsdp_type={fsdp_type}" for app in APPS for fsdp_type in FSDP_TYPES),
                     *(f"app={app} bf16=true" for app in APPS), "app=crossbert",
-                    "app=crossbert compile=true ac=selective"]
+                    "app=crossbert compile=true backend=aot_eager ac=selective"]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,10 @@ def test_activation_checkpointing_keeps_the_gradients(fsdp_steps):
 
 
 def test_compiled_blocks_under_fsdp_match_eager(fsdp_steps):
-    assert_close(fsdp_steps[2]["app=crossbert compile=true ac=selective"], fsdp_steps[2]["app=crossbert"], rel=1e-4)
+    """Dynamo and AOT autograd through FSDP2's hooks and selective checkpointing, run by the eager kernels: the same
+    numbers. Inductor's code (slow to build on a CPU, another on a GPU) runs in the GPU acceptance's dry run."""
+    compiled = fsdp_steps[2]["app=crossbert compile=true backend=aot_eager ac=selective"]
+    assert compiled == fsdp_steps[2]["app=crossbert"]
 
 
 def _train_argv(corpus: Path, dump: Path, steps: int, *extra) -> list[str]:

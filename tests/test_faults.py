@@ -294,6 +294,8 @@ BAD_KNOBS = [
     (["dump_dir="], "config key 'dump_dir' is empty"),
     (["lifecycle.stop_signal=SIGKILL"], "config key 'lifecycle.stop_signal' must be one of SIGUSR2"),
     (["distributed.fsdp_type=ddp"], "config key 'distributed.fsdp_type' must be one of full_shard"),
+    (["distributed.compile=true", "distributed.compile_backend=tvm2"],
+     "config key 'distributed.compile_backend' must be one of "),
     (["steps=ten"], "config key 'steps' expects an integer"),
     (["seed=1e30"], "config key 'seed' expects an integer (below 2^63 in size)"),
     (["seed=-1"], "config key 'seed' must be >= 0"),
