@@ -46,3 +46,53 @@ def test_gradient_clipping_caps_the_norm():
     assert norm > 1.0
     total = math.sqrt(sum(p.grad.pow(2).sum().item() for p in model.parameters()))
     assert total == pytest.approx(1.0, rel=1e-4)
+
+
+
+def _trained(implementation: str, steps: int = 3, start: tuple[dict, dict] | None = None):
+    """A tiny encoder after `steps` AdamW steps, from the model and optimizer states `start` when given. The gradients
+    are fixed draws, not the model's: a model's own gradients would grow the kernels' last-bit differences from step
+    to step."""
+    from lingua.training.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = Encoder(TransformerArgs(dim=16, n_layers=1, n_heads=2, max_seqlen=8), vocab_size=10)
+    init_weights(model, 0.02)
+    optimizer = build_optimizer(model, OptimArgs(lr=1e-2, warmup=0, implementation=implementation))
+    if start is not None:
+        model.load_state_dict(start[0])
+        optimizer.load_state_dict(start[1])
+    done = 0 if start is None else next(iter(optimizer.state.values()))["step"].int().item()
+    for step in range(done, done + steps):
+        draws = torch.Generator().manual_seed(step)  # step n's gradients, whichever run takes it
+        for param in model.parameters():
+            param.grad = torch.randn(param.shape, generator=draws) * 1e-3
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def test_fused_adamw_steps_as_foreach_does():
+    fused, fused_optimizer = _trained("fused")
+    assert fused_optimizer.defaults["fused"]  # the CPU has torch's fused AdamW
+    foreach, _ = _trained("foreach")
+    loop, _ = _trained("for-loop")
+    for a, b, c in zip(fused.parameters(), foreach.parameters(), loop.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(c, b, rtol=1e-6, atol=1e-7)
+
+
+def test_an_optimizer_state_moves_between_fused_and_foreach():
+    """Their states hold the same tensors (step, exp_avg, exp_avg_sq), so a checkpoint of one resumes with the other:
+    3 steps of one then 2 of the other end where 5 of the first do."""
+    for saved_by, loaded_by in (("foreach", "fused"), ("fused", "foreach")):
+        model, optimizer = _trained(saved_by, steps=3)
+        resumed, _ = _trained(loaded_by, steps=2, start=(model.state_dict(), optimizer.state_dict()))
+        straight, _ = _trained(saved_by, steps=5)
+        for a, b in zip(resumed.parameters(), straight.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_an_unknown_implementation_is_an_error():
+    with pytest.raises(UserError, match="implementation"):
+        OptimArgs(implementation="apex")

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from lingua.errors import at_least, require
 
 DECAYS = ("cosine", "linear")
+IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
 
 
 @dataclass
@@ -27,6 +29,9 @@ class OptimArgs:
     warmup: int = 2000  # steps of linear warm-up from 0
     decay: str = "cosine"  # cosine | linear: from lr after the warm-up to lr_min at the last step
     clip: float = 1.0  # max global grad norm; 0 disables clipping
+    # AdamW's kernels: fused (one kernel per step over all parameters; used where their device has it, else foreach),
+    # foreach (grouped per-op kernels: several passes over the states), for-loop (one parameter at a time)
+    implementation: str = "fused"
 
     def __post_init__(self):
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
@@ -36,6 +41,8 @@ class OptimArgs:
             require(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
         at_least(self, 0, "weight_decay", "warmup", "clip")
         require(self.decay in DECAYS, "decay", f"must be one of {', '.join(DECAYS)}, got '{self.decay}'")
+        require(self.implementation in IMPLEMENTATIONS, "implementation",
+                f"must be one of {', '.join(IMPLEMENTATIONS)}, got '{self.implementation}'")
 
 
 def lr_at(step: int, args: OptimArgs, total_steps: int) -> float:
@@ -61,12 +68,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, args: OptimArgs) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        param_groups(model, args.weight_decay),
-        lr=args.lr,
-        betas=(args.beta1, args.beta2),
-        eps=args.eps,
-    )
+    groups = param_groups(model, args.weight_decay)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
+                             **kernels(args.implementation, [p for group in groups for p in group["params"]]))
+
+
+def kernels(implementation: str, params: list[torch.Tensor]) -> dict[str, bool]:
+    """AdamW's `fused`/`foreach` flags for `implementation`; fused falls back to foreach where a parameter's device
+    has no fused kernel (torch's list of those devices)."""
+    if implementation == "fused" and all(p.device.type in _get_fused_kernels_supported_devices() for p in params):
+        return {"fused": True}
+    return {"foreach": implementation != "for-loop"}
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
