@@ -165,7 +165,9 @@ class TrainLoader:
 
     def _next_batch(self) -> torch.Tensor:
         picks = self.rng.choice(len(self.streams), size=self.args.batch_size, p=self.weights)
-        return torch.tensor([self.streams[i].take(self.args.seq_len) for i in picks], dtype=torch.long)
+        # numpy reads the lists of ints in C, about 3x faster than torch.tensor (docs/performance.md)
+        rows = np.array([self.streams[i].take(self.args.seq_len) for i in picks], dtype=np.int64)
+        return torch.from_numpy(rows)
 
     def _snapshot(self) -> dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world_size, "rng": self.rng.bit_generator.state,
