@@ -248,7 +248,8 @@ class Trainer:
         start = time.perf_counter()
         with (
             on_every_rank(lambda: ReadAhead(self.app.data.build_loader(config.data, self.tokenizer, self.launch.rank,
-                                                                       self.launch.world_size, state.data))) as loader,
+                                                                       self.launch.world_size, state.data),
+                                            self.device)) as loader,
             on_every_rank(lambda: MetricLogger(self.run.metrics, step, config.logging, self.params["config"],
                                                self.launch.rank == 0, self.lock.lost)) as metrics,
             StopSignal(config.lifecycle.stop_signal, config.distributed.timeout_minutes) as stop,
@@ -302,8 +303,7 @@ class Trainer:
         config = self.config
         lr = lr_at(step, config.optim, config.steps)
         set_lr(self.optimizer, lr)
-        batches = [self.model.make_batch(next(loader).to(self.device, non_blocking=True), self.generator)
-                   for _ in range(config.grad_acc_steps)]
+        batches = [self.model.make_batch(next(loader), self.generator) for _ in range(config.grad_acc_steps)]
         result = training_step(self.model, self.optimizer, batches, config.optim.clip)
         self.guard.update(step + 1, result.loss, result.grad_norm)
         self.state.data_tokens += self.throughput.per_step["data_tokens"]

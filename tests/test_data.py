@@ -267,3 +267,25 @@ def test_a_file_that_changes_under_the_loader_is_one_line_not_a_loop(tmp_path, p
             take(loader, 10)
     assert failure.startswith(f"data file {chunk} {message}") and "\n" not in failure
     assert str(error.value) == failure
+
+
+def test_read_ahead_gives_the_loaders_batches_and_the_state_of_those_taken(tmp_path):
+    """The training loop's loader fetches (and, on a GPU, copies) batches ahead of the steps: it gives the loader's
+    batches in order, and its state is that after the last batch taken, so a run saved while batches were fetched
+    ahead resumes with the first of those. (The GPU's pinned copy on a side stream cannot run here; on the CPU a
+    batch is the loader's.)"""
+    args = resume_args(tmp_path, prefetch=2)
+    with build_train_loader(args, TOK, 0, 1) as loader:
+        reference = take(loader, 9)
+    taken = []
+    with ReadAhead(build_train_loader(args, TOK, 0, 1), torch.device("cpu")) as loader:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            for _ in range(3):
+                assert loader.prepare(3) is None
+                taken += take(loader, 2)
+        assert len(loader.ready) == 1  # fetched, not taken
+        state = loader.state_dict()
+    assert "data/copy" in {event.name for event in profile.events()}
+    assert all(torch.equal(a, b) for a, b in zip(taken, reference[:6], strict=True))
+    with build_train_loader(args, TOK, 0, 1, state=state) as loader:
+        assert all(torch.equal(a, b) for a, b in zip(take(loader, 3), reference[6:], strict=True))

@@ -96,3 +96,23 @@ def test_an_optimizer_state_moves_between_fused_and_foreach():
 def test_an_unknown_implementation_is_an_error():
     with pytest.raises(UserError, match="implementation"):
         OptimArgs(implementation="apex")
+
+
+def test_a_profile_names_the_optimizer_step():
+    from lingua.training.step import training_step
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.linear(x).pow(2).mean(), {}
+
+        def predicted_tokens(self, batch):
+            return batch["x"].shape[0]
+
+    model = Tiny()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        training_step(model, torch.optim.AdamW(model.parameters()), [{"x": torch.ones(2, 4)}], clip=1.0)
+    assert "optimizer" in {event.name for event in profile.events()}

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from lingua.data.documents import SUFFIXES, MalformedLine, SkippedRows, documents, is_shard, tokens_of
 from lingua.data.shard_stream import ShardStream, repartition_shards
@@ -242,11 +243,16 @@ class TrainLoader:
 class ReadAhead:
     """Any app's loader (the `DataPipeline` contract), able to fetch the next step's batches before the step:
     `prepare(n)` says why they cannot be had, so that the ranks agree on a data failure (a file that changed under
-    the run) before any of them starts a step it could not finish. `state_dict` and `malformed_lines` are those
-    after the last batch `next` returned."""
+    the run) before any of them starts a step it could not finish. `next` returns a batch on `device`. `state_dict`
+    and `malformed_lines` are those after the last batch `next` returned, never after one only prepared.
 
-    def __init__(self, loader):
-        self.loader = loader
+    On a GPU each batch is copied as soon as it is fetched, from pinned memory on a side stream, so the next step's
+    copy overlaps this step's compute and the host never waits on a copy from pageable memory; on the CPU a batch
+    stays where the loader made it."""
+
+    def __init__(self, loader, device: torch.device = torch.device("cpu")):
+        self.loader, self.device = loader, device
+        self.copies = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ready: collections.deque = collections.deque()  # (batch, state after it, malformed lines after it)
         self.state, self.malformed_lines = loader.state_dict(), loader.malformed_lines
         self.malformed_counted = self.malformed_lines  # by `new_malformed_lines`
@@ -261,9 +267,10 @@ class ReadAhead:
         """Fetches batches until the next n are at hand, waiting for them; returns why they cannot be (one line),
         or None."""
         try:
-            while self.failure is None and len(self.ready) < n:
-                batch = next(self.loader)
-                self.ready.append((batch, self.loader.state_dict(), self.loader.malformed_lines))
+            with record_function("data/copy"):
+                while self.failure is None and len(self.ready) < n:
+                    batch = self._copy(next(self.loader))
+                    self.ready.append((batch, self.loader.state_dict(), self.loader.malformed_lines))
         except UserError as e:
             self.failure = str(e)
         except OSError as e:
@@ -277,7 +284,21 @@ class ReadAhead:
         if not self.ready and self.prepare(1):
             raise UserError(self.failure)
         batch, self.state, self.malformed_lines = self.ready.popleft()
+        if self.copies is None:
+            return batch
+        with record_function("data/copy"):
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.copies)
+            batch.record_stream(compute)  # allocated on the copy stream: not reused until the step using it is done
         return batch
+
+    def _copy(self, batch: torch.Tensor) -> torch.Tensor:
+        """The batch on the device, its copy queued on the copy stream (pinned memory is kept alive by torch until the
+        copy is done)."""
+        if self.copies is None:
+            return batch.to(self.device)
+        with torch.cuda.stream(self.copies):
+            return batch.pin_memory().to(self.device, non_blocking=True)
 
     def state_dict(self) -> dict[str, Any]:
         return self.state
