@@ -112,6 +112,12 @@ class AppModel(nn.Module, abc.ABC):
         """The FLOPs per token-view of the output heads that `flops_per_token_view` leaves out (the paper's
         convention); the sum of both is what a step runs, and what MFU counts."""
 
+    def hardware_flops_per_token_view(self, seq_len: int) -> float:
+        """The FLOPs per token-view the kernels run (`mfu_hw`): every matmul, heads included, and attention over the
+        keys each query actually sees. Default: the paper's count with its heads, right for a model whose every
+        token attends over the whole row."""
+        return self.flops_per_token_view(seq_len) + self.head_flops_per_token_view(seq_len)
+
     def separate_documents(self, start: int | None) -> None:
         """From now on each token of a batch's rows attends only to its own document, each starting at the token
         `start` (data.document_mask: <s>); None: to its whole row, the default. A model that cannot refuses."""

@@ -21,21 +21,24 @@ from lingua.errors import UserError, at_least, require
 
 logger = logging.getLogger(__name__)
 
-FSDP_TYPES = ("full_shard", "no_shard", "hybrid_shard")
+FSDP_TYPES = ("full_shard", "no_shard", "hybrid_shard")  # the plans; `auto` picks one from the run's sizes
+REDUCE_DTYPES = ("fp32", "bf16")
 AC_MODES = ("none", "full", "selective")
 
 
 @dataclass
 class DistributedArgs:
-    fsdp_type: str = "full_shard"  # full_shard | no_shard (replicated) | hybrid_shard (shard in groups, replicate)
+    fsdp_type: str = "full_shard"  # full_shard | no_shard | hybrid_shard (shard in groups, replicate) | auto (by size)
     shard_size: int = 0  # hybrid_shard: ranks per shard group; 0 = the processes of one node
+    reduce_dtype: str = "fp32"  # gradient reduction under mixed precision (GPUs): fp32 | bf16 (half the traffic)
     compile: bool = False  # torch.compile each block (static shapes: compiled once)
     compile_backend: str = "inductor"  # torch.compile's backend; aot_eager tells a tracing fault from Inductor's code
     activation_checkpointing: str = "none"  # none | full (recompute each block) | selective (keep matmul outputs)
     timeout_minutes: float = 30  # a collective that waits longer ends the job with one line naming the rank
 
     def __post_init__(self):
-        require(self.fsdp_type in FSDP_TYPES, "fsdp_type", f"must be one of {', '.join(FSDP_TYPES)}")
+        require(self.fsdp_type in (*FSDP_TYPES, "auto"), "fsdp_type", f"must be one of {', '.join(FSDP_TYPES)}, auto")
+        require(self.reduce_dtype in REDUCE_DTYPES, "reduce_dtype", f"must be one of {', '.join(REDUCE_DTYPES)}")
         require(self.activation_checkpointing in AC_MODES, "activation_checkpointing",
                 f"must be one of {', '.join(AC_MODES)}")
         at_least(self, 0, "shard_size")

@@ -198,6 +198,7 @@ def format_progress(record: dict[str, Any], total_steps: int) -> str:
         ("grad_norm", "gnorm {:.2f}"),
         ("data_tokens_per_s", "{:,.0f} tok/s"),
         ("mfu", "mfu {:.1%}"),
+        ("mfu_hw", "mfu_hw {:.1%}"),
         ("data_wait", "data wait {:.0%}"),
         ("memory_gib", "mem {:.1f}GiB"),
     ]:
@@ -223,6 +224,7 @@ class Throughput:
         }
         self.flops_per_view = model.flops_per_token_view(seq_len)  # the paper's count (no output head)
         self.flops_per_view_with_head = self.flops_per_view + model.head_flops_per_token_view(seq_len)
+        self.flops_per_view_hw = model.hardware_flops_per_token_view(seq_len)  # what the kernels run
         self.peak = peak * world_size if peak else None
         self.start, self.steps, self.predicted, self.waited = time.perf_counter(), 0, 0, 0.0
 
@@ -248,6 +250,7 @@ class Throughput:
             "token_views_per_s": views_per_s,
             "predicted_tokens_per_s": self.predicted / elapsed,
             "mfu": self.flops_per_view_with_head * views_per_s / self.peak if self.peak else None,
+            "mfu_hw": self.flops_per_view_hw * views_per_s / self.peak if self.peak else None,
             "data_wait": self.waited / elapsed,
         }
         self.start, self.steps, self.predicted, self.waited = time.perf_counter(), 0, 0, 0.0

@@ -48,7 +48,7 @@ def test_loss_falls_and_run_artifacts(forty_steps):
     assert (dump / "config.yaml").exists() and (dump / "consolidated.pt").exists()
     assert sorted(p.name for p in (dump / "checkpoints").iterdir()) == ["0000000020", "0000000030", "0000000040"]
     record = read_metrics(dump)[40]
-    for key in ("accuracy", "lr", "grad_norm", "data_tokens_per_s", "token_views_per_s", "mfu", "memory_gib"):
+    for key in ("accuracy", "lr", "grad_norm", "data_tokens_per_s", "token_views_per_s", "mfu", "mfu_hw", "memory_gib"):
         assert key in record
     val = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines() if "val/loss" in line]
     assert [v["step"] for v in val] == [10, 20, 30, 40]

@@ -7,10 +7,11 @@ backward, gradient clipping, AdamW) on random tokens, as the training loop runs 
 (compilation happens there), the apps take turns for `rounds` rounds of `steps` timed steps, so a noisy machine's
 drift hits every app alike. Printed and written per app: median step time and its spread, data tokens/s,
 token-views/s, predicted tokens/s, FLOPs per step as the paper counts them (eq. 7-8, no output head) and with the
-output heads, achieved FLOP/s, MFU (with the head, against the device's peak; unknown on a CPU) and peak memory
-(GPU); then each app's measured speed-up over the reference (BERT if listed, else the first app) in token-views/s,
-beside the speed-up each FLOPs count predicts. `hf-modernbert` in the list adds HuggingFace transformers'
-ModernBERT MLM at the same shape, an outside reference for BERT's speed (`pip install transformers`).
+output heads, achieved FLOP/s, MFU (with the head, against the device's peak; unknown on a CPU), `mfu_hw` (the FLOPs
+as run: attention over the keys each view sees) and peak memory (GPU); then each app's measured speed-up over the
+reference (BERT if listed, else the first app) in token-views/s, beside the speed-up each FLOPs count predicts.
+`hf-modernbert` in the list adds HuggingFace transformers' ModernBERT MLM at the same shape, an outside reference for
+BERT's speed (`pip install transformers`).
 """
 
 import json
@@ -233,6 +234,7 @@ def report(contender: Contender, args: BenchmarkArgs, peak: float | None) -> dic
                                          device=contender.generator.device), contender.generator)
     flops_paper = model.flops_per_token_view(args.seq_len) * token_views
     flops_with_head = flops_paper + model.head_flops_per_token_view(args.seq_len) * token_views
+    flops_hw = model.hardware_flops_per_token_view(args.seq_len) * token_views  # as the kernels run them
     return {
         "step_ms": 1e3 * median,
         "step_ms_iqr": [1e3 * quartiles[0], 1e3 * quartiles[2]],
@@ -244,6 +246,8 @@ def report(contender: Contender, args: BenchmarkArgs, peak: float | None) -> dic
         "flops_per_step_with_head": flops_with_head,
         "achieved_tflops": flops_with_head / median / 1e12,
         "mfu": flops_with_head / median / peak if peak else None,
+        "flops_per_step_hw": flops_hw,
+        "mfu_hw": flops_hw / median / peak if peak else None,
         "peak_memory_gib": contender.memory_gib,
         "flops_per_token_view_paper": flops_paper / token_views,
         "flops_per_token_view_with_head": flops_with_head / token_views,
@@ -271,6 +275,7 @@ COLUMNS = [  # header, function of (label, result), width
     ("+head", lambda label, r: f"{r['flops_per_step_with_head'] / 1e9:,.1f}", 9),
     ("TFLOP/s", lambda label, r: f"{r['achieved_tflops']:.3f}", 8),
     ("MFU", lambda label, r: "unknown" if r["mfu"] is None else f"{r['mfu']:.1%}", 8),
+    ("MFU hw", lambda label, r: "unknown" if r["mfu_hw"] is None else f"{r['mfu_hw']:.1%}", 8),
     ("mem GiB", lambda label, r: "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}", 8),
     ("speed-up", lambda label, r: f"{r['vs_reference']['measured']:.2f}x", 9),
     ("pred paper", lambda label, r: f"{r['vs_reference']['predicted_paper']:.2f}x", 11),

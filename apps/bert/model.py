@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lingua.app import AppModel, MaskedLMHead
-from lingua.model.flops import encoder_flops_per_token, output_head_flops
-from lingua.model.masking import check_mask_ratio, gather_tokens, masked_positions
+from lingua.model.flops import encoder_flops_per_token, output_head_flops, self_attention_flops_per_token
+from lingua.model.masking import check_mask_ratio, gather_tokens, masked_positions, num_masked
 from lingua.model.transformer import Encoder, TransformerArgs, default_positions, document_mask
 
 
@@ -51,6 +51,12 @@ class Bert(AppModel):
     def head_flops_per_token_view(self, seq_len: int) -> float:
         return output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings) * \
             self.args.mask_ratio
+
+    def hardware_flops_per_token_view(self, seq_len: int) -> float:
+        """Every token through the encoder, attending over the whole row; the tied head on the masked ones only."""
+        head = output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings)
+        return self_attention_flops_per_token(self.args.encoder, seq_len) + \
+            head * num_masked(self.args.mask_ratio, seq_len) / seq_len
 
 
 def build_bert(args: BertArgs, tokenizer) -> Bert:

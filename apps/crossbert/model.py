@@ -24,7 +24,13 @@ from torch import nn
 
 from lingua.app import AppModel, MaskedLMHead
 from lingua.errors import UserError, at_least, require
-from lingua.model.flops import encoder_flops_per_token, non_embedding_params, output_head_flops
+from lingua.model.flops import (
+    attention_flops,
+    encoder_flops_per_token,
+    non_embedding_params,
+    output_head_flops,
+    self_attention_flops_per_token,
+)
 from lingua.model.masking import check_mask_ratio, num_masked, random_positions
 from lingua.model.transformer import (
     AttnMask,
@@ -142,6 +148,24 @@ def crossbert_flops_per_token_view(encoder: TransformerArgs, predictor: Transfor
     return f_enc * (1 - r) + predictor_flops_per_token(predictor, encoder.dim, seq_len) * r
 
 
+def crossbert_hardware_flops_per_token_view(encoder: TransformerArgs, predictor: TransformerArgs, layout: RowLayout,
+                                            vocab_size: int, per_view: bool) -> float:
+    """What a step runs per token-view (`mfu_hw`): the encoder on each view's visible tokens; the predictor's keys and
+    values of the encoder row, and its queries (their projections, SwiGLU and the tied head); attention over the
+    visible tokens of the query's own view (`per_view`: CMS's segments) or of the whole encoder row (a dense mask)."""
+    row = sum(layout.encoder_lengths)
+    key_value = 2 * predictor.n_layers * predictor.dim * predictor.n_heads * head_dim_of(predictor)
+    resize = encoder.dim * predictor.dim if predictor.dim != encoder.dim else 0  # projected in, and back out
+    per_context_token = 6 * (key_value + resize)
+    per_query = 6 * (non_embedding_params(predictor) - key_value + resize) + output_head_flops(encoder.dim, vocab_size)
+    total = 0.0
+    for view in layout.views:
+        keys = view.visible if per_view else row
+        total += view.visible * (self_attention_flops_per_token(encoder, keys) + per_context_token)
+        total += view.masked * (per_query + attention_flops(predictor, keys))
+    return total / (layout.seq_len * len(layout.views))
+
+
 class Predictor(nn.Module):
     """Learned mask embedding at each query position, cross-attention blocks over the encoder output, final norm.
 
@@ -249,6 +273,13 @@ class CrossBert(AppModel):
         """The head runs on the predicted fraction r of the token-views (with CMS, every token once per two)."""
         head = output_head_flops(self.args.encoder.dim, self.encoder.tok_embeddings.num_embeddings)
         return head * self.args.layout(seq_len).masking_ratio
+
+    def hardware_flops_per_token_view(self, seq_len: int) -> float:
+        """Each view attends over its own tokens unless a dense mask spans the row (cms_attention: mask, documents)."""
+        per_view = self.args.cms_attention == "segments" and self.document_start is None
+        return crossbert_hardware_flops_per_token_view(self.args.encoder, self.args.predictor_transformer(),
+                                                       self.args.layout(seq_len),
+                                                       self.encoder.tok_embeddings.num_embeddings, per_view)
 
     def init_weights(self) -> None:
         super().init_weights()

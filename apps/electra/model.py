@@ -21,8 +21,8 @@ from torch import nn
 
 from lingua.app import AppModel, MaskedLMHead
 from lingua.errors import at_least, require
-from lingua.model.flops import encoder_flops_per_token, output_head_flops
-from lingua.model.masking import check_mask_ratio, gather_tokens, masked_lm_loss, masked_positions
+from lingua.model.flops import encoder_flops_per_token, output_head_flops, self_attention_flops_per_token
+from lingua.model.masking import check_mask_ratio, gather_tokens, masked_lm_loss, masked_positions, num_masked
 from lingua.model.transformer import (
     AttnMask,
     Encoder,
@@ -165,6 +165,15 @@ class Electra(AppModel):
     def head_flops_per_token_view(self, seq_len: int) -> float:
         """The RTD head on every token (the generator's head is already in `flops_per_token_view`)."""
         return output_head_flops(self.args.encoder.dim, 1)
+
+    def hardware_flops_per_token_view(self, seq_len: int) -> float:
+        """Generator and discriminator on every token over the whole row, the generator's tied head on its masked
+        positions, the RTD head on every token."""
+        dim, vocab = self.args.encoder.dim, self.discriminator.tok_embeddings.num_embeddings
+        masked_share = num_masked(self.args.mask_ratio, seq_len) / seq_len
+        return (self_attention_flops_per_token(self.args.encoder, seq_len)
+                + self_attention_flops_per_token(self.args.generator_transformer(), seq_len)
+                + output_head_flops(dim, vocab) * masked_share + output_head_flops(dim, 1))
 
 
 def build_electra(args: ElectraArgs, tokenizer) -> Electra:

@@ -3,6 +3,9 @@
 N is the number of non-embedding parameters (attention and feed-forward matrices; norm weights and the tied
 embedding excluded). FLOPs per token of a forward-backward pass, eq. 7: F_N = 6 N + 12 d L S; compute, eq. 6:
 C = F_N D. An app combines these for its own model (CrossBERT's eq. 8 is in apps/crossbert/model.py).
+
+The hardware count (`mfu_hw`) is what the kernels run instead: every matmul, heads included, and attention over the
+keys each query actually sees (a CMS view's own tokens, not the S of eq. 7); activation recomputation left out.
 """
 
 from torch import nn
@@ -30,6 +33,17 @@ def non_embedding_params(args: TransformerArgs) -> int:
 def encoder_flops_per_token(args: TransformerArgs, seq_len: int) -> float:
     """Eq. 7: 6N for the matrices, 12 d L S for attention scores and values (forward + backward)."""
     return 6 * non_embedding_params(args) + 12 * args.dim * args.n_layers * seq_len
+
+
+def attention_flops(args: TransformerArgs, keys: int) -> float:
+    """Per query, forward and backward, in all of args' layers: scores and weighted values over `keys` keys."""
+    return 12 * args.n_heads * head_dim_of(args) * keys * args.n_layers
+
+
+def self_attention_flops_per_token(args: TransformerArgs, keys: int) -> float:
+    """The hardware count of a self-attention stack per token: every matrix, and attention over `keys` keys (eq. 7
+    when keys is the sequence length and the heads span the width)."""
+    return 6 * non_embedding_params(args) + attention_flops(args, keys)
 
 
 def output_head_flops(dim: int, vocab_size: int) -> float:
