@@ -224,37 +224,15 @@ def profile(work: Path, dry_run: bool) -> dict:
 def region_times(events, on_device: bool, vocab_size: int, ffn_hidden: int) -> dict[str, float]:
     """Microseconds per region: each event's own time (on a GPU the kernels it launched: a kernel is also listed on
     its own and within every op above it, so counting those would count it twice) in the region of the innermost
-    event that names one: a profiler range of the library, communication, attention kernels, a matmul by its shapes
-    (the vocabulary: the head; the SwiGLU width: the MLP; else the attention's projections), the optimizer's step;
-    backward work takes the region of the forward op it differentiates (autograd's sequence number). Inductor drops
-    ranges inside a compiled graph: there the shapes and kernel names decide, and what they leave is the compiled
-    blocks' other work (norms, RoPE, element-wise)."""
+    event that names one (`_named_region`); backward work takes the region of the forward op it differentiates
+    (autograd's sequence number). Inductor drops ranges inside a compiled graph: there the shapes and kernel names
+    decide, and what they leave is the compiled blocks' other work (norms, RoPE, element-wise)."""
     forward: dict[int, str] = {}
-
-    def own(event) -> str | None:
-        name = event.name
-        lowered = name.lower()
-        if any(key in lowered for key in COMMUNICATION):
-            return "communication"
-        if name in LABELS:
-            return name
-        if any(key in lowered for key in HEAD_OPS):
-            return "head+loss"
-        if name.startswith("autograd::engine::evaluate_function"):
-            return forward.get(event.sequence_nr)
-        if any(key in lowered for key in ATTENTION_KERNELS):
-            return "attention"
-        if name in MATMULS:
-            dims = {d for shape in event.input_shapes if isinstance(shape, list) for d in shape if isinstance(d, int)}
-            return "head+loss" if vocab_size in dims else "mlp" if ffn_hidden in dims else "attention"
-        if any(key in lowered for key in OPTIMIZER_OPS):
-            return "optimizer"
-        return None
 
     def region(event) -> str:
         compiled, node = False, event
         while node is not None:
-            found = own(node)
+            found = _named_region(node, forward, vocab_size, ffn_hidden)
             if found:
                 return found
             compiled = compiled or node.name in COMPILED
@@ -277,6 +255,30 @@ def region_times(events, on_device: bool, vocab_size: int, ffn_hidden: int) -> d
         elif event.self_cpu_time_total:
             times[region(event)] += event.self_cpu_time_total
     return times
+
+
+def _named_region(event, forward: dict[int, str], vocab_size: int, ffn_hidden: int) -> str | None:
+    """The region an event names by itself: communication, a profiler range of the library, the loss, a backward
+    node (its forward op's region), attention kernels, a matmul by its shapes (the vocabulary: the head; the SwiGLU
+    width: the MLP; else the attention's projections), the optimizer's step."""
+    name = event.name
+    lowered = name.lower()
+    if any(key in lowered for key in COMMUNICATION):
+        return "communication"
+    if name in LABELS:
+        return name
+    if any(key in lowered for key in HEAD_OPS):
+        return "head+loss"
+    if name.startswith("autograd::engine::evaluate_function"):
+        return forward.get(event.sequence_nr)
+    if any(key in lowered for key in ATTENTION_KERNELS):
+        return "attention"
+    if name in MATMULS:
+        dims = {d for shape in event.input_shapes if isinstance(shape, list) for d in shape if isinstance(d, int)}
+        return "head+loss" if vocab_size in dims else "mlp" if ffn_hidden in dims else "attention"
+    if any(key in lowered for key in OPTIMIZER_OPS):
+        return "optimizer"
+    return None
 
 
 def training(work: Path, dry_run: bool) -> dict:
