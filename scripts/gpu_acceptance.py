@@ -129,6 +129,7 @@ def benchmark(work: Path, dry_run: bool) -> dict:
     result = {"apps": {}}
     with _one_rank_group(device):
         for app in APPS:
+            torch._dynamo.reset()  # each app compiled as its own training process would: static shapes, no recompile
             timing = ["warmup=1", "steps=1", "rounds=1"] if dry_run else ["warmup=3", "steps=5", "rounds=2"]
             report = measure(parse_args([f"apps={app}", *_benchmark_shape(app, dry_run), *timing]))
             r, peak = report["results"][app], report["peak_tflops"]
@@ -206,6 +207,7 @@ def profile(work: Path, dry_run: bool) -> dict:
     result = {"measured": "GPU kernel time" if device.type == "cuda" else "CPU operator self time", "apps": {}}
     with _one_rank_group(device):
         for app in APPS:
+            torch._dynamo.reset()  # as in the benchmark
             args = parse_args([f"apps={app}", *_benchmark_shape(app, dry_run), *dry])
             contender = build(app, args, device)
             step_ms = 1e3 * statistics.median(step(contender, args, device) for _ in range(1 if dry_run else 3))
