@@ -10,6 +10,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from apps import registered_apps
 from lingua.app import TEXT, build_model, load_app
 from lingua.args import load_config
+from lingua.model.transformer import PreNormBlock
 
 VOCAB = 64
 TINY = ["encoder.dim=32", "encoder.n_layers=2", "encoder.n_heads=4", "encoder.max_seqlen=32", "encoder.head_chunk=16"]
@@ -55,3 +56,20 @@ def test_training_step_does_not_synchronise_with_the_host(variant):
         step(contender, args, torch.device("cuda"), synchronise=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_blocks_name_their_attention_and_mlp_to_the_profiler():
+    """The profile of an eager step splits it by these ranges; compiled, they are left out (the test above traces
+    the blocks that hold them as one graph)."""
+    from torch.profiler import profile
+
+    app = load_app("crossbert")  # self-attention blocks in the encoder, cross-attention blocks in the predictor
+    model = build_model(app.build_model, load_config(app.model_args_cls, TINY),
+                        SimpleNamespace(vocab_size=VOCAB, mask_id=VOCAB - 1), torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    batch = model.make_batch(torch.randint(0, VOCAB - 4, (2, 24), generator=generator), generator)
+    n_blocks = sum(isinstance(module, PreNormBlock) for module in model.modules())
+    with profile() as prof:
+        model(**batch)
+    names = [event.name for event in prof.events()]
+    assert names.count("attention") == names.count("mlp") == n_blocks > 2  # the encoder's and the predictor's

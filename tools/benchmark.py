@@ -65,6 +65,7 @@ class BenchmarkArgs:
     rounds: int = 4  # rounds of turns over the apps
     dtype: str = "auto"  # auto: as training (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 (autocast)
     compile: bool = False  # torch.compile each block, as distributed.compile in training
+    compile_backend: str = "inductor"  # as distributed.compile_backend
     device: str = "auto"  # auto: the GPU if there is one, else the CPU
     peak_tflops: float | None = None  # per device, for MFU; default: the GPU's known dense bf16 peak
     seed: int = 0  # model init and random tokens
@@ -160,7 +161,7 @@ def build_contender_model(label: str, args: BenchmarkArgs, device: torch.device)
     base = untrusted.read_yaml(paper_config, "config file")["model"] if args.preset == "paper" and paper_config else {}
     app, model_args = app_variant(label, base | {"encoder": to_dict(args.encoder)})
     tokenizer = SimpleNamespace(vocab_size=args.vocab_size, mask_id=args.vocab_size - 1)
-    parallel = (DistributedArgs(compile=args.compile), Launch())
+    parallel = (DistributedArgs(compile=args.compile, compile_backend=args.compile_backend), Launch())
     return build_model(app.build_model, model_args, tokenizer, device, args.seed, parallel, plan=app.parallelize)
 
 
