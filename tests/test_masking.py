@@ -112,6 +112,15 @@ def test_the_head_compiled_by_inductor_equals_eager_in_bf16_and_compiles_once_pe
         assert bf16_close(a, b, torch.bfloat16), name
 
 
+def test_the_compiled_head_traces_into_a_compiled_step_as_one_graph(fresh_compile):
+    """On a GPU, auto takes the compiled chunks, which a step compiled whole (fullgraph) must inline."""
+    hidden, weight, targets = inputs(torch.float32)
+    compiled_step = torch.compile(lambda h, w, t: chunked_lm_loss(h, w, t, 10, None, "compiled", "aot_eager"),
+                                  fullgraph=True, backend="aot_eager")
+    loss, _ = compiled_step(hidden, weight, targets)
+    assert torch.allclose(loss, chunked_lm_loss(hidden, weight, targets, 10)[0])
+
+
 def test_auto_picks_eager_on_a_cpu_and_liger_needs_its_kernel_on_cuda():
     assert head_loss_path("auto", torch.device("cpu")) == "eager"
     assert head_loss_path("compiled", torch.device("cpu")) == "compiled"

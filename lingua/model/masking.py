@@ -4,7 +4,6 @@ A row of S tokens gets exactly round(ratio * S) masked positions, picked by a ra
 noise drawn from the loop's generator), so no tensor shape depends on the draw and torch.compile sees static shapes.
 """
 
-import functools
 import importlib.util
 
 import torch
@@ -107,8 +106,8 @@ def _chunk_loss_and_grads(h, targets, weight, bias, grad_weight, grad_bias):
     correct = (target_logits.squeeze(1) >= logits.amax(-1)).sum()
     if grad_weight is None:
         return loss_sum, correct, None
-    minus_one = logits.new_full(target_logits.shape, -1.0)
-    grad_logits = (logits - log_sum_exp).exp().scatter_add(1, targets[:, None], minus_one)
+    minus_one = logits.new_full(target_logits.shape, -1.0)  # in place: one [chunk, vocab] buffer in eager mode
+    grad_logits = logits.sub_(log_sum_exp).exp_().scatter_add_(1, targets[:, None], minus_one)
     if grad_bias is not None:
         grad_bias += grad_logits.sum(0)
     grad_logits = grad_logits.to(h.dtype)
@@ -116,9 +115,13 @@ def _chunk_loss_and_grads(h, targets, weight, bias, grad_weight, grad_bias):
     return loss_sum, correct, grad_logits @ weight.to(h.dtype)
 
 
-@functools.cache
+_COMPILED_CHUNKS = {}  # by backend; a dict, not functools.cache, which Dynamo warns of when a compiled step calls it
+
+
 def _compiled_chunk(backend: str):
-    return torch.compile(_chunk_loss_and_grads, backend=backend, dynamic=False)
+    if backend not in _COMPILED_CHUNKS:
+        _COMPILED_CHUNKS[backend] = torch.compile(_chunk_loss_and_grads, backend=backend, dynamic=False)
+    return _COMPILED_CHUNKS[backend]
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
