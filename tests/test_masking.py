@@ -1,5 +1,5 @@
 """The shared masking: every app's mask ratio checked at config time, and the masked-LM loss (the chunked output head
-against the plain logits + cross-entropy)."""
+against the plain logits + cross-entropy, the compiled chunks against the eager ones)."""
 
 import dataclasses
 import typing
@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from apps import registered_apps
 from lingua.args import load_config
 from lingua.errors import UserError
-from lingua.model.masking import chunked_lm_loss, masked_lm_loss
+from lingua.model.masking import chunked_lm_loss, head_loss_path, masked_lm_loss
+from lingua.model.transformer import TransformerArgs
 
 N, D, V = 37, 16, 29
 MASKING_APPS = [app for app in registered_apps()
@@ -69,3 +70,61 @@ def test_chunked_head_in_bf16_sums_in_fp32():
     assert not stats["accuracy"].requires_grad
     assert loss.dtype == torch.float32 and weight.grad.dtype == torch.float32
     assert torch.allclose(loss, masked_lm_loss(hidden @ weight.t(), targets)[0], rtol=2e-2)
+
+
+@pytest.fixture
+def fresh_compile():
+    """Each test's graphs counted alone: the chunk's compiled graphs of earlier tests would fill Dynamo's cache."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def bf16_close(got, expected, dtype):
+    if dtype == torch.float32:
+        return torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    return (got.float() - expected.float()).norm() <= 2e-2 * expected.float().norm() + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("chunk", [37, 10])  # 111 rows: 3 whole chunks; 11 chunks, the last one shorter
+def test_the_compiled_head_equals_the_eager_reference(fresh_compile, chunk, dtype):
+    """aot_eager here (Dynamo's trace and AOT's graphs, in seconds); Inductor's code is checked once, below."""
+    def run(head_loss):
+        return loss_and_grads(lambda h, w, t, b: chunked_lm_loss(h.to(dtype), w.to(dtype), t, chunk, b.to(dtype),
+                                                                 head_loss, "aot_eager"), with_bias=True)
+    eager, compiled = run("eager"), run("compiled")
+    for name, a, b in zip(("loss", "accuracy", "grad hidden", "grad weight", "grad bias"), compiled, eager):
+        assert bf16_close(a, b, dtype), name
+
+
+def test_the_head_compiled_by_inductor_equals_eager_in_bf16_and_compiles_once_per_shape(fresh_compile):
+    hidden, weight, targets = (t.detach() for t in inputs(torch.float32))
+    results = []
+    for head_loss, calls in (("eager", 1), ("compiled", 2)):  # the second compiled call may not recompile
+        for call in range(calls):
+            with torch.compiler.set_stance("fail_on_recompile" if call else "default"):
+                h, w = (t.bfloat16().requires_grad_() for t in (hidden, weight))
+                loss, stats = chunked_lm_loss(h, w, targets, 10, None, head_loss)
+                loss.backward()
+        results.append((loss, stats["accuracy"], h.grad, w.grad))
+    for name, a, b in zip(("loss", "accuracy", "grad hidden", "grad weight"), *results):
+        assert bf16_close(a, b, torch.bfloat16), name
+
+
+def test_the_compiled_head_traces_into_a_compiled_step_as_one_graph(fresh_compile):
+    """On a GPU, auto takes the compiled chunks, which a step compiled whole (fullgraph) must inline."""
+    hidden, weight, targets = inputs(torch.float32)
+    compiled_step = torch.compile(lambda h, w, t: chunked_lm_loss(h, w, t, 10, None, "compiled", "aot_eager"),
+                                  fullgraph=True, backend="aot_eager")
+    loss, _ = compiled_step(hidden, weight, targets)
+    assert torch.allclose(loss, chunked_lm_loss(hidden, weight, targets, 10)[0])
+
+
+def test_auto_picks_eager_on_a_cpu_and_liger_needs_its_kernel_on_cuda():
+    assert head_loss_path("auto", torch.device("cpu")) == "eager"
+    assert head_loss_path("compiled", torch.device("cpu")) == "compiled"
+    with pytest.raises(UserError, match="liger_kernel"):
+        head_loss_path("liger", torch.device("cpu"))
+    with pytest.raises(UserError, match="config key 'head_loss' must be one of auto, eager, compiled, liger"):
+        TransformerArgs(head_loss="fused")

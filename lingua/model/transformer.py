@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
 
 from lingua.errors import ConfigError, at_least, require
-from lingua.model.masking import chunked_lm_loss, masked_lm_loss
+from lingua.model.masking import HEAD_LOSSES, chunked_lm_loss, masked_lm_loss
 
 
 @dataclass
@@ -43,6 +43,7 @@ class TransformerArgs:
     init_std: float = 0.02  # std of the truncated-normal init of every matrix and embedding
     attn_backend: str = "sdpa"  # sdpa (CPU and GPU) | flex (flex_attention: compiled on GPU) | xformers (if installed)
     head_chunk: int = 4096  # predicted tokens the output head and its loss take at a time; 0: all logits at once
+    head_loss: str = "auto"  # eager (reference) | compiled (each chunk fused) | liger (CUDA) | auto: head_loss_path
     scale_embeddings: bool = True  # token embeddings enter the residual stream times sqrt(dim); false: unscaled
     output_bias: bool = False  # a learned per-token bias in the tied output head (zero at init)
 
@@ -53,6 +54,8 @@ class TransformerArgs:
     def __post_init__(self):
         at_least(self, 1, "dim", "n_layers", "n_heads", "head_dim", "ffn_multiple_of", "max_seqlen")
         at_least(self, 0, "head_chunk")
+        require(self.head_loss in HEAD_LOSSES, "head_loss",
+                f"must be one of {', '.join(HEAD_LOSSES)}, got '{self.head_loss}'")
         for name in ("norm_eps", "rope_theta", "init_std"):
             require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         require(self.attn_backend in ATTN_BACKENDS, "attn_backend",
@@ -447,11 +450,13 @@ class Encoder(nn.Module):
 
     def lm_loss(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Cross-entropy (and accuracy) of the tied head's predictions from h [..., D] against targets [...],
-        head_chunk rows at a time: the [rows, vocab] logits never exist whole (head_chunk 0: they do, through
-        autograd, the plain way, kept as the reference)."""
-        if self.args.head_chunk == 0:
-            return masked_lm_loss(self.logits(h), targets)
-        return chunked_lm_loss(h, self.tok_embeddings.weight, targets, self.args.head_chunk, self.output_bias)
+        head_chunk rows at a time, by the head_loss path: the [rows, vocab] logits never exist whole (head_chunk 0:
+        they do, through autograd, the plain way, kept as the reference)."""
+        with torch.profiler.record_function("head+loss"):
+            if self.args.head_chunk == 0:
+                return masked_lm_loss(self.logits(h), targets)
+            return chunked_lm_loss(h, self.tok_embeddings.weight, targets, self.args.head_chunk, self.output_bias,
+                                   self.args.head_loss)
 
 
 def default_positions(tokens: torch.Tensor) -> torch.Tensor:
