@@ -63,14 +63,20 @@ def device_memory(device: torch.device, local_world_size: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_world_size
 
 
-def sharding_plan(args: DistributedArgs, n_params: int, launch: Launch, device: torch.device) -> Sharding:
-    """The configured plan, or with `auto` rank 0's choice (every rank builds the same mesh)."""
+def configured_sharding(args: DistributedArgs, n_params: int, launch: Launch, device: torch.device) -> Sharding:
+    """The plan `args` asks for: the configured type, or `auto`'s choice from this rank's view of the sizes."""
     world = launch.world_size
     if args.fsdp_type == "auto":
-        return broadcast_object(choose_sharding(n_params, STATE_BYTES, device_memory(device, launch.local_world_size),
-                                                world, launch.local_world_size))
+        return choose_sharding(n_params, STATE_BYTES, device_memory(device, launch.local_world_size), world,
+                               launch.local_world_size)
     shard = {"full_shard": world, "no_shard": 1}.get(args.fsdp_type, args.shard_size or launch.local_world_size)
     return Sharding(args.fsdp_type, shard, "set by distributed.fsdp_type")
+
+
+def sharding_plan(args: DistributedArgs, n_params: int, launch: Launch, device: torch.device) -> Sharding:
+    """`configured_sharding`, with `auto` rank 0's choice on every rank (they build the same mesh)."""
+    plan = configured_sharding(args, n_params, launch, device)
+    return broadcast_object(plan) if args.fsdp_type == "auto" else plan
 
 
 def precision_policy(reduce_dtype: str, mixed_precision: bool):

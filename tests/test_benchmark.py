@@ -66,6 +66,16 @@ def test_debug_preset_figures_are_consistent(tmp_path, capsys):
     assert all(label in table for label in results) and "speed-up" in table
 
 
+def test_huggingface_modernbert_is_measured_beside_bert(tmp_path):
+    """The stand-in from transformers reports every figure the apps do; its tokens attend over the whole row, so
+    what its kernels run is the paper's count with its head."""
+    pytest.importorskip("transformers")
+    results = run(tmp_path, "apps=bert,hf-modernbert", "peak_tflops=0.001")["results"]
+    modernbert = results["hf-modernbert"]
+    assert modernbert["flops_per_step_hw"] == pytest.approx(modernbert["flops_per_step_with_head"])
+    assert modernbert["mfu_hw"] == pytest.approx(modernbert["mfu"])
+
+
 def test_mfu_is_unknown_on_a_cpu_without_a_given_peak(tmp_path, capsys):
     report = run(tmp_path, "apps=crossbert", "warmup=0", "steps=1", "rounds=1")
     assert report["peak_tflops"] is None and report["results"]["crossbert"]["mfu"] is None

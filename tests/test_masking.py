@@ -121,8 +121,9 @@ def test_the_compiled_head_traces_into_a_compiled_step_as_one_graph(fresh_compil
     assert torch.allclose(loss, chunked_lm_loss(hidden, weight, targets, 10)[0])
 
 
-def test_auto_picks_eager_on_a_cpu_and_liger_needs_its_kernel_on_cuda():
+def test_auto_picks_eager_on_a_cpu_compiled_on_a_gpu_and_liger_needs_its_kernel_on_cuda():
     assert head_loss_path("auto", torch.device("cpu")) == "eager"
+    assert head_loss_path("auto", torch.device("cuda")) == "compiled"  # Liger only when asked for
     assert head_loss_path("compiled", torch.device("cpu")) == "compiled"
     with pytest.raises(UserError, match="liger_kernel"):
         head_loss_path("liger", torch.device("cpu"))

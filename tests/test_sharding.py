@@ -2,6 +2,7 @@
 and the ranks; bf16 gradient reduction; their config keys."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,3 +93,23 @@ def test_auto_builds_the_chosen_mesh_and_says_why_in_one_line(caplog):
     assert lines[0] == "FSDP no_shard, each parameter sharded over 1 of 1 rank(s): one process"
     assert "reduce_dtype=bf16 takes effect under mixed precision only" in lines[1]  # a CPU: fp32
     assert model.encoder.tok_embeddings.weight.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+
+
+def test_the_memory_check_counts_the_weights_over_the_ranks_the_plan_shards_them_over():
+    """The start-up estimate (lingua/training/memory.py) divides weights and AdamW state by the plan's shard size:
+    `auto`'s choice, not every rank."""
+    from lingua.model.flops import count_params
+    from lingua.training.memory import estimate
+
+    node = Launch(world_size=8, local_world_size=8)
+    weights = {}
+    for fsdp_type in ("auto", "full_shard", "no_shard", "hybrid_shard"):
+        config = load_config(APP.args_cls, ["dump_dir=x", "model.encoder.dim=32", "model.encoder.n_layers=1",
+                                            "model.encoder.n_heads=2", "data.tokenizer.name=bytes",
+                                            f"distributed.fsdp_type={fsdp_type}", "distributed.shard_size=4"])
+        weights[fsdp_type] = estimate(APP, config, node, torch.device("cpu"))["weights and optimizer"]
+    with torch.device("meta"):
+        n_params = count_params(APP.build_model(config.model, SimpleNamespace(vocab_size=260, mask_id=259)))
+    assert weights["auto"] == weights["no_shard"] == STATE_BYTES * n_params  # a tiny model: replicated
+    assert weights["full_shard"] == STATE_BYTES * n_params // 8
+    assert weights["hybrid_shard"] == STATE_BYTES * n_params // 4

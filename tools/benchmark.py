@@ -145,6 +145,10 @@ class HFModernBert(torch.nn.Module):
         dim = self.encoder_args.dim  # its head: a dim x dim dense layer, then the tied decoder
         return 6 * (dim * dim + dim * self.model.config.vocab_size) * self.mask_ratio
 
+    def hardware_flops_per_token_view(self, seq_len: int) -> float:
+        """Every token attends over the whole row, as eq. 7 counts: the paper's count with its head."""
+        return self.flops_per_token_view(seq_len) + self.head_flops_per_token_view(seq_len)
+
 
 def build_contender_model(label: str, args: BenchmarkArgs, device: torch.device) -> torch.nn.Module:
     """The app's model: its single-scale config's model section (preset paper) or its defaults, the shared backbone,

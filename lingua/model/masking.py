@@ -56,16 +56,14 @@ HEAD_LOSSES = ("auto", "eager", "compiled", "liger")
 
 
 def head_loss_path(head_loss: str, device: torch.device) -> str:
-    """The path `head_loss` takes on this device. auto: Liger's fused kernel on CUDA where `liger_kernel` is
-    installed, else the compiled chunks on a GPU, else eager: on a CPU, Inductor's compile of the chunk costs more
-    than a short run saves (docs/performance.md)."""
+    """The path `head_loss` takes on this device. auto: the compiled chunks on a GPU, eager on a CPU (where
+    Inductor's compile of the chunk costs more than a short run saves: docs/performance.md). Liger's kernel is taken
+    only when asked for (untested here)."""
+    if head_loss == "liger" and not (device.type == "cuda" and importlib.util.find_spec("liger_kernel")):
+        raise UserError("encoder.head_loss=liger needs a CUDA device and liger_kernel installed")
     if head_loss != "auto":
-        if head_loss == "liger" and not (device.type == "cuda" and importlib.util.find_spec("liger_kernel")):
-            raise UserError("encoder.head_loss=liger needs a CUDA device and liger_kernel installed")
         return head_loss
-    if device.type == "cuda":
-        return "liger" if importlib.util.find_spec("liger_kernel") else "compiled"
-    return "eager"
+    return "compiled" if device.type == "cuda" else "eager"
 
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,

@@ -5,7 +5,7 @@ The estimate is a lower bound, per process: what a training step cannot do witho
 would fit; it refuses the ones that cannot. Per process:
 
 - weights and optimizer: 16 bytes a parameter (fp32 weights, their gradients, AdamW's two moments), split over the
-  processes when FSDP shards them;
+  processes the parallelism plan shards them over (`auto`: the plan it chooses);
 - the batch, on the host (the loader builds it there): 8 bytes a token (int64), and 8 more a row for the draw of
   its sources; the validation rows, held from the start;
 - activations, on the device: each block's input kept for the backward (2 bytes a value at least, as in bf16), for
@@ -27,9 +27,9 @@ from lingua.app import App
 from lingua.data.tokenizer import build_tokenizer
 from lingua.distributed import Launch
 from lingua.model.flops import count_params
+from lingua.parallel import STATE_BYTES, configured_sharding
 
 GIB = 2**30
-OPTIMIZER_BYTES = 16  # per parameter: fp32 weight, gradient, AdamW's exp_avg and exp_avg_sq
 TOKEN_BYTES = 8  # int64 token ids
 ACTIVATION_BYTES = 2  # bf16, the narrowest a block's saved input is kept in
 
@@ -37,7 +37,7 @@ ACTIVATION_BYTES = 2  # bf16, the narrowest a block's saved input is kept in
 def memory_shortfall(app: App, config, device: torch.device, launch: Launch) -> str | None:
     """Why this process cannot hold the run (one line: the estimate, what is available, the key to change), or
     None."""
-    parts = estimate(app, config, launch)
+    parts = estimate(app, config, launch, device)
     host_free, limit = host_available(launch.local_world_size)
     if device.type == "cuda":
         device_free = torch.cuda.mem_get_info(device)[0]
@@ -49,17 +49,17 @@ def memory_shortfall(app: App, config, device: torch.device, launch: Launch) -> 
     return _shortfall(parts, host_free, "host memory", limit)
 
 
-def estimate(app: App, config, launch: Launch) -> dict[str, int]:
+def estimate(app: App, config, launch: Launch, device: torch.device) -> dict[str, int]:
     """{part: bytes} needed by one process at least (see the module's docstring)."""
     with torch.device("meta"):
         n_params = count_params(app.build_model(config.model, build_tokenizer(config.data.tokenizer)))
-    shards = 1 if config.distributed.fsdp_type == "no_shard" else launch.world_size
+    shards = configured_sharding(config.distributed, n_params, launch, device).shard_size
     row = math.prod(app.data.row_shape(config.data))
     rows = config.data.batch_size
     encoder = config.model.encoder
     validation_rows = config.validation.n_sequences // launch.world_size if config.validation.every else 0
     return {
-        "weights and optimizer": OPTIMIZER_BYTES * n_params // shards,
+        "weights and optimizer": STATE_BYTES * n_params // shards,
         "batch": rows * (row + 1) * TOKEN_BYTES,
         "validation rows": validation_rows * row * TOKEN_BYTES,
         "batch on the device": rows * row * TOKEN_BYTES,
