@@ -105,7 +105,6 @@ def test_the_profile_names_the_regions_of_a_step():
     times = acceptance.region_times(prof.events(), False, args.vocab_size, 256)  # the debug width's SwiGLU width
     assert list(times) == list(acceptance.REGIONS)
     assert all(times[region] > 0 for region in ("head+loss", "attention", "mlp", "optimizer"))
-    assert times["other"] < 0.2 * sum(times.values())
 
 
 def test_the_budgets_fit_8_minutes_of_a_gpu():
