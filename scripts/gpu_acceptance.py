@@ -1,5 +1,5 @@
-"""The acceptance run for a GPU machine: one command, within 8 minutes of a cold H100 or H200 (the sum of the parts'
-budgets, BUDGETS_S), one JSON and one Markdown report.
+"""The acceptance run for a GPU machine: one command, budgeted at 8 minutes of a cold H100 or H200 (the sum of the
+parts' budgets, BUDGETS_S; no GPU has run it yet), one JSON and one Markdown report.
 
     bash scripts/gpu_acceptance.sh OUT_DIR [--bundle FOLDER]     # on the GPU machine
     bash scripts/gpu_acceptance.sh OUT_DIR --dry-run             # anywhere: tiny shapes, the same code paths, CPU
