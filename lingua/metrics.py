@@ -211,22 +211,27 @@ def format_progress(record: dict[str, Any], total_steps: int) -> str:
 
 class Throughput:
     """Tokens per second and MFU of all ranks together over the steps since the last report, and the share of this
-    rank's time spent waiting for its data loader."""
+    rank's time spent waiting for its data loader. A step's tokens are counted from its micro-batches, whose number
+    may change from step to step (lingua/training/batch_warmup.py)."""
 
-    def __init__(self, model, rows_per_rank: int, row_tokens: int, seq_len: int, world_size: int, peak: float | None):
-        """`rows_per_rank`: data rows of one step on one rank (micro-batches included); `seq_len`: the length the
-        FLOPs are counted at; `peak`: one device's peak FLOP/s (`peak_flops`), None: no MFU."""
+    def __init__(self, model, rows_per_rank: int, row_tokens: int, seq_len: int, world_size: int, peak: float | None,
+                 data_tokens: int = 0):
+        """`rows_per_rank`: data rows of one micro-batch on one rank; `seq_len`: the length the FLOPs are counted at;
+        `peak`: one device's peak FLOP/s (`peak_flops`), None: no MFU; `data_tokens`: the run's count at its start
+        (a resumed run's)."""
         self.world_size = world_size
-        rows = rows_per_rank * world_size
-        self.per_step = {
-            "data_tokens": rows * row_tokens,
-            "token_views": rows * row_tokens * model.views_per_sequence,
-        }
+        self.micro_batch_tokens = rows_per_rank * world_size * row_tokens  # data tokens, all ranks together
+        self.views_per_sequence = model.views_per_sequence
         self.flops_per_view = model.flops_per_token_view(seq_len)  # the paper's count (no output head)
         self.flops_per_view_with_head = self.flops_per_view + model.head_flops_per_token_view(seq_len)
         self.flops_per_view_hw = model.hardware_flops_per_token_view(seq_len)  # what the kernels run
         self.peak = peak * world_size if peak else None
-        self.start, self.steps, self.predicted, self.waited = time.perf_counter(), 0, 0, 0.0
+        self.reported_tokens = data_tokens
+        self.start, self.predicted, self.waited = time.perf_counter(), 0, 0.0
+
+    def data_tokens(self, micro_batches: int) -> int:
+        """Data tokens of one optimizer step of `micro_batches` micro-batches, over all ranks."""
+        return micro_batches * self.micro_batch_tokens
 
     def compute(self, token_views: int) -> dict[str, float]:
         """The run's compute so far: eq. 6 as the paper counts it (no output head), and all the FLOPs it ran."""
@@ -238,22 +243,23 @@ class Throughput:
         self.start += seconds
 
     def step(self, predicted_tokens: int, waited_s: float) -> None:
-        self.steps += 1
         self.predicted += predicted_tokens * self.world_size
         self.waited += waited_s
 
-    def report(self) -> dict[str, float]:
+    def report(self, data_tokens: int) -> dict[str, float]:
+        """Rates since the last report; `data_tokens`: the run's count now."""
         elapsed = time.perf_counter() - self.start
-        views_per_s = self.steps * self.per_step["token_views"] / elapsed
+        tokens, self.reported_tokens = data_tokens - self.reported_tokens, data_tokens
+        views_per_s = tokens * self.views_per_sequence / elapsed
         out = {
-            "data_tokens_per_s": self.steps * self.per_step["data_tokens"] / elapsed,
+            "data_tokens_per_s": tokens / elapsed,
             "token_views_per_s": views_per_s,
             "predicted_tokens_per_s": self.predicted / elapsed,
             "mfu": self.flops_per_view_with_head * views_per_s / self.peak if self.peak else None,
             "mfu_hw": self.flops_per_view_hw * views_per_s / self.peak if self.peak else None,
             "data_wait": self.waited / elapsed,
         }
-        self.start, self.steps, self.predicted, self.waited = time.perf_counter(), 0, 0, 0.0
+        self.start, self.predicted, self.waited = time.perf_counter(), 0, 0.0
         return out
 
 

@@ -63,6 +63,7 @@ from lingua.metrics import (
 )
 from lingua.model.flops import count_params
 from lingua.run_folder import RunFolder
+from lingua.training.batch_warmup import BatchWarmupArgs, check_batch_warmup, micro_batches_at
 from lingua.training.divergence import Diverged, NonFiniteGuard
 from lingua.training.lifecycle import (
     LifecycleArgs,
@@ -91,6 +92,7 @@ class TrainArgs:
     seed: int = 42  # model init and masking draws (the data order has data.seed)
     steps: int = 1000  # optimizer steps in all
     grad_acc_steps: int = 1  # micro-batches accumulated per optimizer step
+    batch_warmup: BatchWarmupArgs = field(default_factory=BatchWarmupArgs)  # fewer micro-batches per step at first
     device: str = "auto"  # auto: each rank's GPU if there is one, else the CPU
     init_from: str = ""  # a new run starts from these weights (checkpoint folder, dump_dir or consolidated.pt)
     data: DataArgs = field(default_factory=DataArgs)
@@ -105,6 +107,7 @@ class TrainArgs:
         require(bool(self.dump_dir.strip()), "dump_dir", "is empty: name the run's folder")
         at_least(self, 1, "steps", "grad_acc_steps")
         at_least(self, 0, "seed")
+        check_batch_warmup(self.batch_warmup, self.grad_acc_steps)
 
 
 @dataclass
@@ -199,9 +202,9 @@ class Trainer:
                 logger.info(f"removed {partial.name}, left by a process killed while writing it")
         self.generator = torch.Generator(device).manual_seed(config.seed + launch.rank)  # the masking's draws
         self.state = self._start_state(start)  # init_from's weights are read there, then let go
-        self.throughput = Throughput(self.model, config.data.batch_size * config.grad_acc_steps,
-                                     math.prod(app.data.row_shape(config.data)), config.data.seq_len, launch.world_size,
-                                     peak_flops(config.logging, device))
+        self.throughput = Throughput(self.model, config.data.batch_size, math.prod(app.data.row_shape(config.data)),
+                                     config.data.seq_len, launch.world_size, peak_flops(config.logging, device),
+                                     self.state.data_tokens)
         self.guard, self.window = NonFiniteGuard(device, self.checkpoints.latest), Window()
         self.evaluations = build_evaluations(app, EvalContext(self.model, self.tokenizer, config, device, launch,
                                                               self.guard))
@@ -209,7 +212,7 @@ class Trainer:
             f"{app.name}: {count_params(self.model):,} parameters ({count_params(self.model, embeddings=False):,} "
             f"outside the embedding) on {launch.world_size} process(es) ({launch.source}, {device.type}"
             f"{', ' + config.distributed.fsdp_type if dist.is_initialized() else ''}), {config.steps} steps of "
-            f"{self.throughput.per_step['data_tokens']:,} data tokens over all processes"
+            f"{self.throughput.data_tokens(config.grad_acc_steps):,} data tokens over all processes"
         )
 
     def _start_state(self, start: Start) -> TrainState:
@@ -257,7 +260,7 @@ class Trainer:
             if step < config.steps:  # the start has succeeded: the run's config now
                 on_rank_zero(lambda: self._write(self.run.config, lambda path: dump_config(config, path)))
             activity.now = f"the agreement before step {step + 1}"
-            stopping = step < config.steps and agree(stop, loader.prepare(config.grad_acc_steps) or self.lock.lost())
+            stopping = step < config.steps and agree(stop, loader.prepare(self._micro_batches()) or self.lock.lost())
             if state.evaluation_skipped and not stopping:  # the stop that saved this checkpoint skipped it
                 activity.now = f"the evaluation at step {step}"
                 self._evaluate(step, metrics)
@@ -266,7 +269,7 @@ class Trainer:
                 lr, result = self._step(step, loader)
                 step += 1
                 before = time.perf_counter()
-                failure = loader.prepare(config.grad_acc_steps) if step < config.steps else None  # the next step's
+                failure = loader.prepare(self._micro_batches()) if step < config.steps else None  # the next step's
                 self.throughput.step(result.predicted_tokens, time.perf_counter() - before)
                 activity.now = f"the agreement after step {step}"
                 stopping = agree(stop, failure or metrics.failure or self.lock.lost())
@@ -303,18 +306,22 @@ class Trainer:
         config = self.config
         lr = lr_at(step, config.optim, config.steps)
         set_lr(self.optimizer, lr)
-        batches = [self.model.make_batch(next(loader), self.generator) for _ in range(config.grad_acc_steps)]
+        batches = [self.model.make_batch(next(loader), self.generator) for _ in range(self._micro_batches())]
         result = training_step(self.model, self.optimizer, batches, config.optim.clip)
         self.guard.update(step + 1, result.loss, result.grad_norm)
-        self.state.data_tokens += self.throughput.per_step["data_tokens"]
+        self.state.data_tokens += self.throughput.data_tokens(len(batches))
         self.window.add(loss=result.loss, grad_norm=result.grad_norm, **result.stats)
         return lr, result
+
+    def _micro_batches(self) -> int:
+        """Micro-batches of the next optimizer step: grad_acc_steps, fewer during the batch warm-up."""
+        return micro_batches_at(self.config.batch_warmup, self.config.grad_acc_steps, self.state.data_tokens)
 
     def _log(self, step: int, lr: float, loader: ReadAhead, metrics: MetricLogger) -> None:
         """The window's means over steps and ranks, throughput and compute: one metrics record and one log line."""
         self.guard.check()
         data_tokens = self.state.data_tokens
-        record = {"step": step, **self.window.means(), "lr": lr, **self.throughput.report(),
+        record = {"step": step, **self.window.means(), "lr": lr, **self.throughput.report(data_tokens),
                   "data_tokens": data_tokens, **self.throughput.compute(data_tokens * self.model.views_per_sequence),
                   "memory_gib": peak_memory_gib(self.device), "malformed_lines": loader.malformed_lines,
                   "new_malformed_lines": loader.new_malformed_lines()}

@@ -60,8 +60,8 @@ def test_mfu_hw_is_logged_beside_mfu():
     bert = on_meta(lambda: Bert(BertArgs(encoder=ENCODER, mask_ratio=0.2), VOCAB, mask_id=VOCAB - 1))
     throughput = Throughput(bert, rows_per_rank=2, row_tokens=S, seq_len=S, world_size=2, peak=1e9)
     throughput.step(predicted_tokens=4, waited_s=0.0)
-    record = throughput.report()
+    record = throughput.report(data_tokens=2 * 2 * S)
     with_head = bert.flops_per_token_view(S) + bert.head_flops_per_token_view(S)
     assert record["mfu_hw"] / record["mfu"] == pytest.approx(bert.hardware_flops_per_token_view(S) / with_head)
     assert "mfu_hw " in format_progress({"step": 1, **record}, 10)
-    assert Throughput(bert, 2, S, S, 1, peak=None).report()["mfu_hw"] is None  # a CPU: no peak, no MFU
+    assert Throughput(bert, 2, S, S, 1, peak=None).report(2 * S)["mfu_hw"] is None  # a CPU: no peak, no MFU
