@@ -1,4 +1,5 @@
-"""Run metrics: one JSON line per logged step in DUMP_DIR/metrics.jsonl, readable progress lines, optional wandb."""
+"""Run metrics: one JSON line per logged step in DUMP_DIR/metrics.jsonl, readable progress lines, optional wandb and
+TensorBoard."""
 
 import contextlib
 import importlib.util
@@ -26,6 +27,7 @@ class LoggingArgs:
     freq: int = 10  # steps between metric lines
     peak_tflops: float | None = None  # per device, for MFU; default: the GPU's dense bf16 peak if it is known
     wandb_project: str = ""  # log to wandb too when set (needs `pip install wandb`)
+    tensorboard: bool = False  # TensorBoard event files too, in the run folder's tensorboard/ (needs tensorboard)
 
     def __post_init__(self):
         at_least(self, 1, "freq")
@@ -37,6 +39,9 @@ def check_logging(args: LoggingArgs) -> None:
     """What the config asks of the installed packages, checked with the config (wandb starts only after start-up)."""
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         raise UserError("logging.wandb_project is set but wandb is not installed: pip install wandb, or unset it")
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("logging.tensorboard is true but the tensorboard package is not installed: pip install "
+                        "tensorboard, or set logging.tensorboard=false")
 
 
 # Dense (not 2:4 sparse) bf16 tensor-core peaks from the vendors' data sheets, matched in this order against
@@ -108,11 +113,12 @@ class MetricLogger:
     will write again, so the file always describes one consistent run; that rewrite is atomic, so a kill during it
     leaves the old file whole. Only rank 0 writes (`enabled`); the records it gets are already reduced over ranks.
     A link at `path` is refused (LinkRefused) before anything is read or written; once `fence` reports the run's
-    lease lost, no record is written and the loop stops with that reason."""
+    lease lost, no record is written and the loop stops with that reason. With `args.tensorboard`, every record's
+    numbers go to TensorBoard event files too, in the folder given as `tensorboard` (`TensorBoardLog`)."""
 
     def __init__(self, path: Path, resume_step: int, args: LoggingArgs, config: dict[str, Any], enabled: bool = True,
-                 fence: Fence = unfenced):
-        self.path, self.file, self.wandb, self.fence = path, None, None, fence
+                 fence: Fence = unfenced, tensorboard: Path | None = None):
+        self.path, self.file, self.wandb, self.tensorboard, self.fence = path, None, None, None, fence
         self.failure: str | None = None  # why a record could not be written: the loop stops every rank with it
         if not enabled:
             return
@@ -130,6 +136,8 @@ class MetricLogger:
             import wandb
 
             self.wandb = wandb.init(project=args.wandb_project, config=config, dir=str(path.parent), resume="allow")
+        if args.tensorboard:
+            self.tensorboard = TensorBoardLog(tensorboard, resume_step)
 
     def log(self, record: dict[str, Any]) -> None:
         if self.file is None or self.failure is not None:
@@ -145,6 +153,8 @@ class MetricLogger:
             return
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])
+        if self.tensorboard is not None:
+            self.failure = self.tensorboard.log(record)
 
     def close(self) -> None:
         if self.file is not None:
@@ -152,12 +162,47 @@ class MetricLogger:
                 self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class TensorBoardLog:
+    """A record's numbers as TensorBoard scalars (float32, as TensorBoard keeps them; metrics.jsonl has the exact
+    values), each tagged with its key, at the record's step. A resume at step N marks the steps past N purged, so
+    TensorBoard drops what an earlier process wrote there, as MetricLogger drops those records. Every record is
+    flushed when logged: nothing is left queued to be written after the run's lease is lost. Each process writes a
+    new file, named by the time, host and pid (torch's SummaryWriter)."""
+
+    def __init__(self, folder: Path, resume_step: int):
+        from torch.utils.tensorboard import SummaryWriter  # imported only when asked: it loads the tensorboard package
+
+        self.folder = folder
+        try:
+            refuse_link(folder)  # the event file's name is new to each process: no link can be there already
+            self.writer = SummaryWriter(str(folder), purge_step=resume_step + 1)
+        except OSError as e:
+            raise UserError(f"cannot write TensorBoard's events in {folder}: {e.strerror}") from None
+
+    def log(self, record: dict[str, Any]) -> str | None:
+        """Writes the record's numbers; returns why they could not be written (a full disk, say), or None."""
+        try:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self.writer.add_scalar(key, value, record["step"])
+            self.writer.flush()  # raises what the writer's thread met
+        except OSError as e:
+            return f"cannot write TensorBoard's events in {self.folder}: {e.strerror or e}"
+        return None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # a failed write is already reported
+            self.writer.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -3,6 +3,8 @@ from it, and the rules over them. No other module spells these names (tests/test
 
     config.yaml          the config the run trains with (lingua/train.py writes it once the start has succeeded)
     metrics.jsonl        one record per logged step and evaluation (lingua/metrics.py)
+    tensorboard/         the same records' numbers as TensorBoard event files, one file per process that trained
+                         the run (logging.tensorboard=true; lingua/metrics.py)
     train.log            every rank's log
     checkpoints/         the checkpoints; inside it, the layout of each step (NNNNNNNNNN/ with params.json,
                          train_state_NNNNN.json, manifest.json) is lingua/checkpoint/store.py's CheckpointManager's
@@ -30,6 +32,7 @@ from lingua.errors import UserError
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
 LOG = "train.log"
 CHECKPOINTS = "checkpoints"
 CONSOLIDATED = "consolidated.pt"
@@ -72,6 +75,10 @@ class RunFolder:
     @property
     def metrics(self) -> Path:
         return self.root / METRICS
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / TENSORBOARD
 
     @property
     def log(self) -> Path:

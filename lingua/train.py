@@ -254,7 +254,7 @@ class Trainer:
                                                                        self.launch.world_size, state.data),
                                             self.device)) as loader,
             on_every_rank(lambda: MetricLogger(self.run.metrics, step, config.logging, self.params["config"],
-                                               self.launch.rank == 0, self.lock.lost)) as metrics,
+                                               self.launch.rank == 0, self.lock.lost, self.run.tensorboard)) as metrics,
             StopSignal(config.lifecycle.stop_signal, config.distributed.timeout_minutes) as stop,
         ):
             if step < config.steps:  # the start has succeeded: the run's config now
