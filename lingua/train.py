@@ -213,6 +213,8 @@ class Trainer:
             f"outside the embedding) on {launch.world_size} process(es) ({launch.source}, {device.type}"
             f"{', ' + config.distributed.fsdp_type if dist.is_initialized() else ''}), {config.steps} steps of "
             f"{self.throughput.data_tokens(config.grad_acc_steps):,} data tokens over all processes"
+            + (f" (from {self.throughput.data_tokens(config.batch_warmup.start):,} during the batch warm-up's first "
+               f"{config.batch_warmup.tokens:,} tokens)" if config.batch_warmup.start else "")
         )
 
     def _start_state(self, start: Start) -> TrainState:
