@@ -326,7 +326,7 @@ def test_figure1_pipeline_validates_on_both_sources_on_every_world_size_and_plot
     assert kinds == {"figure3": "mteb_types", "figure4": "glue_tasks", "figure5": "sources"}
 
 
-@pytest.mark.parametrize("sweep,runs,gpus,ratio", [("hparams_crossbert.yaml", 80, 8, 20.0),
+@pytest.mark.parametrize("sweep,runs,gpus,ratio", [("hparams_crossbert.yaml", 140, 8, 20.0),
                                                     ("hparams_debug.yaml", 8, 1, 0.5)])
 def test_hparams_sweeps_give_every_run_of_a_model_its_token_views(sweep, runs, gpus, ratio):
     """Appendix H's sweeps: each run's steps x token-views per step is the model's D = ratio x F_N (within a step),
@@ -348,5 +348,5 @@ def test_hparams_sweeps_give_every_run_of_a_model_its_token_views(sweep, runs, g
         per_step = config["data"]["batch_size"] * gpus * config["grad_acc_steps"] * seq_len * views
         assert abs(config["steps"] * per_step - ratio * flops) <= per_step / 2
     lrs = {run.config["optim"]["lr"] for run in planned}
-    batches = {(run.config["data"]["batch_size"], run.config["grad_acc_steps"]) for run in planned}
+    batches = {run.config["data"]["batch_size"] * run.config["grad_acc_steps"] for run in planned}  # per GPU
     assert len(planned) == len(shapes) * len(lrs) * len(batches)
