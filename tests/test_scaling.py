@@ -98,7 +98,8 @@ def test_best_per_group_keeps_the_lowest_scores_of_each_size():
     assert [r["loss"] for r in best_per_group(runs, "size", "loss", keep=3)] == [1, 2, 3, 5]
 
 
-def fake_run(folder, app, dim, lr, bsz_tokens, compute, losses, probe=None):
+def fake_run(folder, app, dim, lr, bsz_tokens, compute, losses, probe=None, views=1):
+    """A run's folder: `views` token-views per data token (2: CrossBERT with CMS)."""
     folder.mkdir(parents=True)
     config = {"optim": {"lr": lr}, "model": {"encoder": {"dim": dim, "n_layers": 2}}, "steps": len(losses) * 10}
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
@@ -107,7 +108,8 @@ def fake_run(folder, app, dim, lr, bsz_tokens, compute, losses, probe=None):
     for i, loss in enumerate(losses, 1):
         step = 10 * i
         lines.append({"step": step, "loss": loss + 0.1, "compute_flops": compute * step / (10 * len(losses)),
-                      "data_tokens": bsz_tokens * step, "token_views_per_s": 2.0, "data_tokens_per_s": 2.0})
+                      "data_tokens": bsz_tokens * step, "token_views_per_s": 2.0 * views,
+                      "data_tokens_per_s": 2.0})
         lines.append({"step": step, "val/loss": loss})
     (folder / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)))
     if probe is not None:
@@ -434,3 +436,27 @@ def test_the_spikes_plot_finds_spikes_non_finite_losses_and_restarts_in_the_log(
     with pytest.raises(SystemExit) as exit_:
         scaling.main(["plot", "kind=spikes", f"runs={tmp_path / 'silent'}", f"out={out}"])
     assert exit_.value.code == 2 and "no progress lines" in capsys.readouterr().err
+
+
+def test_sample_efficiency_prints_the_data_each_run_needs_for_the_same_score(tmp_path, capsys):
+    """Appendix B: at the same compute per step, the run with CMS reads half the data tokens per step; the tokens
+    each run needs to reach each score of the run without CMS (interpolated between probe points), and their ratio."""
+    from tools import sample_efficiency
+
+    for variant, views, tokens_per_step, scores in (("cms_off", 1, 1000, (50.0, 60.0)),
+                                                    ("cms_on", 2, 500, (55.0, 62.0))):
+        run = tmp_path / "appendix_b" / variant / "pretrain"
+        fake_run(run, "crossbert", 64, 1e-3, tokens_per_step, 1e15, [5.0, 4.0], views=views)
+        with (run / "metrics.jsonl").open("a") as f:
+            for step, score in zip((10, 20), scores):
+                f.write("\n" + json.dumps({"step": step, "glue/avg/linear": score, "glue/sst2/linear": score}))
+    assert sample_efficiency.tokens_to_reach([(1.0, 50.0), (2.0, 60.0)], 55.0) == 1.5
+    assert sample_efficiency.tokens_to_reach([(1.0, 50.0), (2.0, 60.0)], 61.0) is None
+    runs = f"runs={tmp_path}/appendix_b/*/pretrain"
+    sample_efficiency.main([runs])
+    printed = capsys.readouterr().out
+    assert "| 50.0 | 1e-05B | 5e-06B | 2.00 |" in printed and "| 60.0 | 2e-05B | 8.57e-06B | 2.33 |" in printed
+    assert "median: ours 2.17; the paper (Appendix B): 2." in printed
+    with pytest.raises(SystemExit) as exit_:
+        sample_efficiency.main([f"runs={tmp_path}/appendix_b/cms_on/pretrain"])
+    assert exit_.value.code == 2 and "one run without CMS and one with" in capsys.readouterr().err

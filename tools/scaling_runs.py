@@ -68,6 +68,7 @@ def read_run(dump_dir: Path) -> dict[str, Any]:
     return {
         "dir": dump_dir, "app": _app_of(dump_dir), "lr": config["optim"]["lr"],
         "bsz": round(last["data_tokens"] / last["step"] * views_per_token),  # views per token: 1 or 2 (CMS)
+        "views_per_token": round(views_per_token), "data_tokens_per_flop": last["data_tokens"] / last["compute_flops"],
         "size": f"{encoder['dim']}x{encoder['n_layers']}", "compute": last["compute_flops"],
         "val_curve": [(r["step"] * flops_per_step, r["val/loss"]) for r in val],
         "source_curves": source_curves(val, flops_per_step),
