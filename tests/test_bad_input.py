@@ -8,6 +8,7 @@ import os
 import resource
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -306,7 +307,7 @@ def test_scaling_of_a_run_with_a_hostile_results_file_is_one_line(tmp_path, kind
     results = tmp_path / f"{kind}_eval" / "step_2" / "results.json"
     results.parent.mkdir(parents=True)
     results.write_text(content)
-    read = scaling_runs._probe_results if kind == "glue" else scaling_runs._mteb_results
+    read = scaling_runs._probe_results if kind == "glue" else partial(scaling_runs._mteb_results, protocol="frozen")
     with pytest.raises(UserError, match=f"^{kind.upper()} results {results} hold no "):
         read(tmp_path)
 

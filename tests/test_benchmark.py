@@ -64,6 +64,7 @@ def test_debug_preset_figures_are_consistent(tmp_path, capsys):
     assert vs["of_predicted_with_head"] == pytest.approx(vs["measured"] / vs["predicted_with_head"])
     table = capsys.readouterr().out
     assert all(label in table for label in results) and "speed-up" in table
+    assert "the paper (section 5.2): CrossBERT 1.68x BERT (207k vs 123k tokens/s on H100s" in table
 
 
 def test_huggingface_modernbert_is_measured_beside_bert(tmp_path):

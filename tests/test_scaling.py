@@ -98,7 +98,8 @@ def test_best_per_group_keeps_the_lowest_scores_of_each_size():
     assert [r["loss"] for r in best_per_group(runs, "size", "loss", keep=3)] == [1, 2, 3, 5]
 
 
-def fake_run(folder, app, dim, lr, bsz_tokens, compute, losses, probe=None):
+def fake_run(folder, app, dim, lr, bsz_tokens, compute, losses, probe=None, views=1):
+    """A run's folder: `views` token-views per data token (2: CrossBERT with CMS)."""
     folder.mkdir(parents=True)
     config = {"optim": {"lr": lr}, "model": {"encoder": {"dim": dim, "n_layers": 2}}, "steps": len(losses) * 10}
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
@@ -107,7 +108,8 @@ def fake_run(folder, app, dim, lr, bsz_tokens, compute, losses, probe=None):
     for i, loss in enumerate(losses, 1):
         step = 10 * i
         lines.append({"step": step, "loss": loss + 0.1, "compute_flops": compute * step / (10 * len(losses)),
-                      "data_tokens": bsz_tokens * step, "token_views_per_s": 2.0, "data_tokens_per_s": 2.0})
+                      "data_tokens": bsz_tokens * step, "token_views_per_s": 2.0 * views,
+                      "data_tokens_per_s": 2.0})
         lines.append({"step": step, "val/loss": loss})
     (folder / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)))
     if probe is not None:
@@ -326,7 +328,7 @@ def test_figure1_pipeline_validates_on_both_sources_on_every_world_size_and_plot
     assert kinds == {"figure3": "mteb_types", "figure4": "glue_tasks", "figure5": "sources"}
 
 
-@pytest.mark.parametrize("sweep,runs,gpus,ratio", [("hparams_crossbert.yaml", 80, 8, 20.0),
+@pytest.mark.parametrize("sweep,runs,gpus,ratio", [("hparams_crossbert.yaml", 140, 8, 20.0),
                                                     ("hparams_debug.yaml", 8, 1, 0.5)])
 def test_hparams_sweeps_give_every_run_of_a_model_its_token_views(sweep, runs, gpus, ratio):
     """Appendix H's sweeps: each run's steps x token-views per step is the model's D = ratio x F_N (within a step),
@@ -348,5 +350,113 @@ def test_hparams_sweeps_give_every_run_of_a_model_its_token_views(sweep, runs, g
         per_step = config["data"]["batch_size"] * gpus * config["grad_acc_steps"] * seq_len * views
         assert abs(config["steps"] * per_step - ratio * flops) <= per_step / 2
     lrs = {run.config["optim"]["lr"] for run in planned}
-    batches = {(run.config["data"]["batch_size"], run.config["grad_acc_steps"]) for run in planned}
+    batches = {run.config["data"]["batch_size"] * run.config["grad_acc_steps"] for run in planned}  # per GPU
     assert len(planned) == len(shapes) * len(lrs) * len(batches)
+
+
+def fake_finetune_run(folder, origin, task, lr, seed, score):
+    """A finished GLUE fine-tuning run descending from the checkpoint `origin`, with its best dev score."""
+    from apps.finetune.train import FinetuneTrainArgs
+    from lingua.args import from_dict, to_dict
+
+    folder.mkdir(parents=True)
+    config = {"dump_dir": str(folder), "init_from": str(origin), "origin": str(origin), "seed": seed, "epochs": 3,
+              "data": {"task": task}, "optim": {"lr": lr}, "validation": {"every": 10}}
+    (folder / "config.yaml").write_text(json.dumps(to_dict(from_dict(FinetuneTrainArgs, config))))
+    (folder / "best.json").write_text(json.dumps({"step": 20, "val/score": score}))
+    (folder / "consolidated.pt").write_bytes(b"")
+
+
+def fake_figure1_run(root, app, compute, frozen, unfrozen):
+    """A run of figure1.yaml's layout: its frozen GLUE probe and MTEB(eng, v2) over frozen features (Avg. `frozen`),
+    MTEB after training the whole model and a GLUE fine-tuning sweep beside it (`unfrozen`), three task types each."""
+    run = root / f"{app}_{compute:g}" / "pretrain"
+    fake_run(run, app, 64, 1e-3, 512, compute, [5.0, 4.0], probe=frozen)
+    (run / "consolidated.pt").write_bytes(b"")  # the checkpoint the fine-tuning runs name as their origin
+    for protocol, score in (("frozen", frozen), ("full", unfrozen)):
+        summary = {kind: score + i for i, kind in enumerate(("Classification", "Retrieval", "STS"))}
+        (run / "mteb_eval" / f"contrastive_{protocol}").mkdir(parents=True)
+        (run / "mteb_eval" / f"contrastive_{protocol}" / "results.json").write_text(json.dumps(
+            {"args": {"benchmark": "MTEB(eng, v2)", "offline": ""}, "summary": summary | {"Avg.": score + 1}}))
+    for lr, offset in ((1e-5, -2.0), (2e-5, 0.0)):  # the better learning rate is chosen on dev
+        for seed in (0, 1):
+            for task, extra in (("sst2", 1.0), ("rte", -1.0)):
+                fake_finetune_run(run.parent / "finetune_first" / f"{task}_{lr:g}_{seed}", run / "consolidated.pt",
+                                  task, lr, seed, unfrozen + offset + extra)
+    return run
+
+
+def test_figure1_draws_the_unfrozen_scores_beside_the_frozen_and_the_table_prints_the_gap(tmp_path, capsys):
+    """Figure 1 and 3 as the paper draws them: frozen and unfrozen in one figure (GLUE: the probe and the fine-tuning
+    sweeps beside the run; MTEB: the pooler over frozen features and the whole model); the table prints each run's
+    gap and each app's mean beside section 5.3's prose."""
+    for app, frozen, unfrozen in (("bert", 40.0, 55.0), ("crossbert", 50.0, 51.0)):
+        for compute in (1e14, 1e15):
+            fake_figure1_run(tmp_path / "figure1", app, compute, frozen, unfrozen)
+    fake_finetune_run(tmp_path / "figure1" / "bert_1e+14" / "finetune_first" / "other_model", tmp_path / "elsewhere",
+                      "sst2", 1e-5, 0, 99.0)  # another pre-training's: not this run's
+    run = scaling_runs.read_run(tmp_path / "figure1" / "bert_1e+14" / "pretrain")
+    assert run["finetune"] == {"sst2": 56.0, "rte": 54.0, "avg": 55.0}
+    assert run["mteb"]["MTEB(eng, v2)"]["Avg."] == 41.0 and run["mteb_full"]["MTEB(eng, v2)"]["Avg."] == 56.0
+    assert scaling_plots.task_scores(run, scaling_plots.PlotArgs(kind="mteb_types"), frozen=False) == {
+        "Classification": 55.0, "Retrieval": 56.0, "STS": 57.0}
+    runs = f"runs={tmp_path}/figure1/*/pretrain"
+    out = tmp_path / "figure1.png"
+    scaling.main(["plot", "kind=probes", runs, f"out={out}"])
+    assert png_size(out)[0] == 120 * (1 + 5 * 2)  # GLUE and MTEB(eng, v2), each with both protocols
+    scaling.main(["plot", "kind=mteb_types", runs, f"out={out}", "fit=true"])
+    assert png_size(out)[0] == 120 * (1 + 4 * 3)
+    capsys.readouterr()
+    scaling.main(["table", runs])
+    printed = capsys.readouterr().out
+    assert "| bert_1e+14/pretrain | bert | 1e+14 | 40.0 | 55.0 | 41.0 | 56.0 | 15.0 |" in printed
+    assert "ours bert 15.0 over 2 runs; crossbert 1.0 over 2 runs; the paper (section 5.3): BERT about 15, " \
+           "CrossBERT about 1 points." in printed
+
+
+def test_the_spikes_plot_finds_spikes_non_finite_losses_and_restarts_in_the_log(tmp_path, capsys):
+    """Appendix I's evidence from train.log's progress lines, the stretch a divergence threw away included: a loss
+    10 % above the median of the previous 10 lines is a spike; a step logged again is a restart from a checkpoint."""
+    history = [(step, 5.0 - step / 1000) for step in range(100, 1100, 100)] + [(1100, 6.0), (1200, float("nan")),
+                                                                              (1100, 4.0), (1200, 3.9)]
+    events = scaling_runs.loss_events(history, rise=0.1)
+    assert events.spikes == [(1100, 6.0)] and events.non_finite == [1200] and events.rewinds == [(1200, 1100)]
+    assert scaling_runs.loss_events(history, rise=0.5).spikes == []
+    run = tmp_path / "table9" / "bert" / "pretrain"
+    fake_run(run, "bert", 64, 1e-3, 512, 1e15, [5.0, 4.0])
+    (run / "train.log").write_text("".join(f"2026-01-01 INFO step {step}/1200 | loss {loss:.4f} | gnorm 1.00\n"
+                                           for step, loss in history))
+    assert scaling_runs.training_history(run)[-3:] == [(1200, pytest.approx(float("nan"), nan_ok=True)),
+                                                      (1100, 4.0), (1200, 3.9)]
+    out = tmp_path / "spikes.png"
+    scaling.main(["plot", "kind=spikes", f"runs={tmp_path}/table9/*/pretrain", f"out={out}"])
+    assert "bert/pretrain: 1 loss spikes (steps 1100); 1 non-finite losses; 1 restarts from an earlier checkpoint " \
+           "(1200 back to 1100)" in capsys.readouterr().out
+    fake_run(tmp_path / "silent", "bert", 64, 1e-3, 512, 1e15, [5.0, 4.0])
+    with pytest.raises(SystemExit) as exit_:
+        scaling.main(["plot", "kind=spikes", f"runs={tmp_path / 'silent'}", f"out={out}"])
+    assert exit_.value.code == 2 and "no progress lines" in capsys.readouterr().err
+
+
+def test_sample_efficiency_prints_the_data_each_run_needs_for_the_same_score(tmp_path, capsys):
+    """Appendix B: at the same compute per step, the run with CMS reads half the data tokens per step; the tokens
+    each run needs to reach each score of the run without CMS (interpolated between probe points), and their ratio."""
+    from tools import sample_efficiency
+
+    for variant, views, tokens_per_step, scores in (("cms_off", 1, 1000, (50.0, 60.0)),
+                                                    ("cms_on", 2, 500, (55.0, 62.0))):
+        run = tmp_path / "appendix_b" / variant / "pretrain"
+        fake_run(run, "crossbert", 64, 1e-3, tokens_per_step, 1e15, [5.0, 4.0], views=views)
+        with (run / "metrics.jsonl").open("a") as f:
+            for step, score in zip((10, 20), scores):
+                f.write("\n" + json.dumps({"step": step, "glue/avg/linear": score, "glue/sst2/linear": score}))
+    assert sample_efficiency.tokens_to_reach([(1.0, 50.0), (2.0, 60.0)], 55.0) == 1.5
+    assert sample_efficiency.tokens_to_reach([(1.0, 50.0), (2.0, 60.0)], 61.0) is None
+    runs = f"runs={tmp_path}/appendix_b/*/pretrain"
+    sample_efficiency.main([runs])
+    printed = capsys.readouterr().out
+    assert "| 50.0 | 1e-05B | 5e-06B | 2.00 |" in printed and "| 60.0 | 2e-05B | 8.57e-06B | 2.33 |" in printed
+    assert "median: ours 2.17; the paper (Appendix B): 2." in printed
+    with pytest.raises(SystemExit) as exit_:
+        sample_efficiency.main([f"runs={tmp_path}/appendix_b/cms_on/pretrain"])
+    assert exit_.value.code == 2 and "one run without CMS and one with" in capsys.readouterr().err

@@ -20,7 +20,8 @@ APPS = ("bert", "electra", "crossbert")
 def test_the_pipeline_pretrains_the_1b_models_probes_them_and_prints_table_9():
     pipeline = load_pipeline(str(PIPELINE))
     stages = {stage.name: stage for stage in pipeline.stages}
-    assert list(stages) == [*(f"{stage}.{app}" for stage in ("pretrain", "probes") for app in APPS), "table"]
+    assert list(stages) == [*(f"{stage}.{app}" for stage in ("pretrain", "probes") for app in APPS), "table",
+                            "spikes"]
     for app, nodes in (("bert", 5), ("electra", 5), ("crossbert", 7)):  # Appendix J: 40 and 56 GPUs
         pretrain = stages[f"pretrain.{app}"]
         assert pretrain.module == f"apps.{app}.train" and (pretrain.launcher["nodes"], pretrain.launcher[
@@ -30,6 +31,7 @@ def test_the_pipeline_pretrains_the_1b_models_probes_them_and_prints_table_9():
         assert stages[f"probes.{app}"].after == [f"pretrain.{app}"] and "probes=linear" in stages[f"probes.{app}"].args
     assert stages["table"].module == "tools.tables" and "table=9" in stages["table"].args
     assert stages["table"].after == [f"probes.{app}" for app in APPS]
+    assert stages["spikes"].after == [f"pretrain.{app}" for app in APPS] and "kind=spikes" in stages["spikes"].args
 
 
 def test_appendix_is_init_std_is_one_setting_for_the_three_models(tmp_path):

@@ -252,6 +252,8 @@ def test_table7_compares_the_cold_and_warm_pooler_on_mteb(tmp_path, capsys):
     assert "| CrossBERT 2.0M | ✓ | " + " | ".join(["50.0"] * 8) + " | 51.0 |" in lines
     assert "| *CrossBERT 279M, paper* | ✓ | 70.5 | 40.8 | 77.9 | 44.1 | 43.9 | 71.7 | 26.7 | 53.7 | 56.7 |" in lines
     assert lines.count(paper.NOTES["warm_start"]["warm"]) == 1
+    assert "Warm start minus cold: ours Avg. +0.0, Overall +0.0; the paper's text (section 4.2, Appendix D) about +2 " \
+           "(its Table 7: Avg. +1.9, Overall +3.0)." in lines
     assert "Class. 70.5 (Appendix E: 70.4) and Avg. 53.7 (Appendix E: 53.6)" in paper.NOTES["warm_start"]["warm"]
 
 
@@ -292,6 +294,7 @@ def test_table9_prints_the_1b_models_alone_with_their_init_std(tmp_path, capsys)
                            probes={app: {"rte": 60.0, "cola": 20.0} for app in apps})
     lines = render(capsys, "9", folder)
     assert "| Model | Params | FLOPs | tps | Init std | RTE | CoLA | Avg. (2 of 8 tasks) |" in lines
+    assert "| BERT | 1.0M | 6.0e16 | 1.0k | 0.015 | 60.0 | 20.0 | 40.0 |" in lines
     assert "| Electra | 2.0M | 6.0e16 | 2.0k | 0.015 | 60.0 | 20.0 | 40.0 |" in lines
     assert not any("paper" in line and line.startswith("|") for line in lines)  # the paper's table is empty
 
@@ -307,6 +310,8 @@ def test_the_miniatures_printout_has_per_gpu_tps_named_metrics_and_the_literatur
     folder = fake_pipeline(tmp_path / "p", variants, probes={name: five for name in variants},
                            mteb={name: runs for name in variants}, world=1)
     lines = render(capsys, "3", folder)
+    assert "CrossBERT's tps over BERT's: ours 2.00x (2.0k vs 1.0k); the paper (section 5.2) 1.68x (207k vs 123k " \
+           "tokens/s on H100s)." in lines
     assert "| CrossBERT | 2.0M | 6.0e16 | 2.0k | 50.0 | 50.0 | 50.0 | 50.0 | 50.0 | 50.0 |" in lines  # views/s, 1 GPU
     assert any("tps, as the paper's: training token-views per second per GPU" in line for line in lines)
     assert sum(line.startswith("Metrics (dev, in %): RTE, SST2 and MRPC accuracy; CoLA Matthews correlation; STSB "
@@ -315,3 +320,23 @@ def test_the_miniatures_printout_has_per_gpu_tps_named_metrics_and_the_literatur
                                "cosine_spearman)") for line in lines) == 4
     assert "## The literature in the paper's Table 3" in lines
     assert any(line.startswith("| OptiBERT× | 239M | 7.0e19 | – | 67.5 |") for line in lines)
+
+
+def test_table9_labels_appendix_is_variations_by_their_row():
+    """docs/pipelines/appendix_i.yaml's variants, each row named as its variant says."""
+    from lingua.jobs.pipeline_plan import load_pipeline
+
+    variants = load_pipeline(str(REPO / "docs" / "pipelines" / "appendix_i.yaml")).variants
+    labels = [tables.Variant(name, keys, None, {}, {}, {}, {}).label for name, keys in variants.items()]
+    assert labels[:2] == ["BERT, seeds 1", "BERT, seeds 2"] and "Electra, lr 1.58e-4" in labels
+
+
+def test_the_papers_prose_numbers_agree_with_its_tables():
+    """Section 5.2's 1.68x is Table 3's 207k over 123k; Appendix D's ~2 % lies between Table 7's gains."""
+    speedup = paper.PROSE["speedup"]
+    assert float(speedup["crossbert"][:-1]) / float(speedup["bert"][:-1]) == pytest.approx(speedup["ratio"], abs=0.005)
+    assert [speedup[app] for app in ("bert", "crossbert")] == [paper.SINGLE_SCALE[app][2] for app in ("bert",
+                                                                                                     "crossbert")]
+    gains = [warm - cold for warm, cold in zip(paper.WARM_START["warm"][-2:], paper.WARM_START["cold"][-2:])]
+    assert gains[0] < paper.PROSE["warm_start_gain"] < gains[1]
+    assert paper.PROSE["adaptation_gap"] == {"bert": 15, "crossbert": 1} and paper.PROSE["cms_data_ratio"] == 2

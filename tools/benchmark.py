@@ -37,6 +37,7 @@ from lingua.model.transformer import TransformerArgs, ffn_hidden_dim
 from lingua.parallel import autocast
 from lingua.training.optim import OptimArgs, build_optimizer
 from lingua.training.step import training_step
+from tools import paper
 
 logger = logging.getLogger(__name__)
 
@@ -302,6 +303,10 @@ def format_table(report_: dict) -> str:
                  f"{a['compile']}, attention {a['encoder']['attn_backend']}; speed-ups in token-views/s against "
                  f"{report_['reference']}, beside the speed-up the paper's FLOPs (eq. 7-8) and the FLOPs with the "
                  "output heads predict; MFU counts the heads")
+    if report_["reference"] == "bert" and "crossbert" in report_["results"]:
+        published = paper.PROSE["speedup"]
+        lines.append(f"the paper (section 5.2): CrossBERT {published['ratio']}x BERT ({published['crossbert']} vs "
+                     f"{published['bert']} tokens/s on H100s, at the single-scale shapes)")
     return "\n".join(lines)
 
 

@@ -20,4 +20,5 @@ CROSSBERT_MASK_RATIO: dict[str, float] = _NUMBERS["crossbert_mask_ratio"]  # Tab
 CMS: dict[str, list[float]] = _NUMBERS["cms"]  # Table 5
 BERT_MASK_RATIO: dict[str, list[float]] = _NUMBERS["bert_mask_ratio"]  # Table 6
 WARM_START: dict[str, list[float]] = _NUMBERS["warm_start"]  # Table 7
+PROSE: dict = _NUMBERS["prose"]  # numbers of the paper's text: speedup, warm_start_gain, adaptation_gap, cms_data_ratio
 NOTES: dict[str, dict[str, str]] = _NUMBERS["notes"]  # the paper's inconsistencies: {block: {row: note}}

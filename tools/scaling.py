@@ -10,18 +10,24 @@ paper's Appendix J) whose F_N is nearest sqrt(C / ratio); D = C / F_N token-view
 laws (section 5.1); steps, per-GPU batch and gradient accumulation for `gpus`. fit: from a sweep over sizes, learning
 rates and batch sizes, the best `keep` runs per size by final validation loss, and the LR and BSZ power laws of C
 fitted by log-log least squares (Appendix H). plot: validation-loss curves against compute (curves), final
-validation loss against compute with its fitted law (loss), both a panel per app, and the frozen scores against
-compute per app (probes, the paper's Figure 1): a GLUE panel (the probe averages of each run's glue_eval results)
-and a panel per MTEB benchmark (the Avg. of each run's mteb_eval results); the frozen probe scores over training
-(training, the paper's Figure 6): the `glue/<task>/<probe>` records the loop logs every eval.every steps, against the
-compute spent so far, a line per run, a panel for the GLUE average and one per task; the frozen scores per task
-against compute, the apps side by side, a panel per GLUE task (glue_tasks, Figure 4) or per task type of an MTEB
-benchmark (mteb_types, Figure 3); the validation loss on each source against compute, a panel per source and app,
+validation loss against compute with its fitted law (loss), both a panel per app; the scores against compute per app
+(probes, the paper's Figure 1): a GLUE panel (the probe averages of each run's glue_eval results, and the fine-tuned
+averages of the GLUE fine-tuning sweeps beside the run, VARIANT/finetune*/) and a panel per MTEB benchmark (the Avg.
+of each run's mteb_eval results: over frozen features, and of the whole model from a folder named *_full), frozen
+filled, unfrozen open and dashed; the frozen probe scores over training (training, the paper's Figure 6): the
+`glue/<task>/<probe>` records the loop logs every eval.every steps, against the compute spent so far, a line per
+run, a panel for the GLUE average and one per task; the scores per task against compute, the apps side by side, a
+panel per GLUE task (glue_tasks, Figure 4) or per task type of an MTEB benchmark (mteb_types, Figure 3), frozen and,
+where the runs have them, unfrozen; the validation loss on each source against compute, a panel per source and app,
 with the power law of the runs' final losses (sources, Figure 5 / Appendix F); a sweep's final validation loss per
 learning rate and batch size, a heatmap per model size, the best `keep` of each marked, then the LR and BSZ laws
-fitted to them (heatmaps, Appendix H). fit=true draws each app's power law in the score plots. runs= takes patterns
-too (DIR/*/pretrain). table: a Markdown table of the runs by app and compute, with their final validation loss and
-frozen GLUE scores per task.
+fitted to them (heatmaps, Appendix H); each run's training loss against steps from every progress line of its
+train.log, its spikes (a log line `rise` above the median of the previous 10), non-finite losses and restarts from an
+earlier checkpoint marked, and printed (spikes, Appendix I). fit=true draws each app's power law in the score plots.
+runs= takes patterns too (DIR/*/pretrain). table: a Markdown table of the runs by app and compute, with their final
+validation loss and frozen GLUE scores per task, then, where the runs were also fine-tuned (GLUE, or contrastive
+training of the whole model: mteb_eval/*_full), each run's frozen and unfrozen averages and Figure 1's gap beside the
+paper's.
 """
 
 import copy
@@ -41,6 +47,7 @@ from lingua.args import command_line, load_config, read_yaml
 from lingua.errors import UserError
 from lingua.files.safe import atomic_write
 from lingua.model.scaling import TOKENS_PER_FLOP_PER_TOKEN, nearest_shape, optimal_flops_per_token, plan_batch
+from tools import paper
 from tools.scaling_plots import plot_command
 from tools.scaling_runs import fitted_hyperparameters, read_run, require_probe, run_dirs, validated_runs
 
@@ -175,8 +182,10 @@ def fit_command(argv: list[str]) -> None:
 
 def table_command(argv: list[str]) -> None:
     args = load_config(TableArgs, argv)
-    print(format_runs_table(sorted(map(read_run, run_dirs(args.runs)), key=lambda r: (r["app"], r["compute"])),
-                            args.probe))
+    runs = sorted(map(read_run, run_dirs(args.runs)), key=lambda r: (r["app"], r["compute"]))
+    print(format_runs_table(runs, args.probe))
+    if any(run["finetune"] or run["mteb_full"] for run in runs):
+        print("\n" + format_adaptation_gaps(runs, args.probe))
 
 
 def format_runs_table(runs: list[dict[str, Any]], probe: str) -> str:
@@ -190,6 +199,38 @@ def format_runs_table(runs: list[dict[str, Any]], probe: str) -> str:
         cells = [f"{scores[task]:.1f}" if task in scores else "-" for task in [*tasks, "avg"]]
         lines.append(f"| {run['dir'].name} | {run['app']} | {run['size']} | {run['compute']:.2g} | {loss} | "
                      + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+GAP_BENCHMARK = "MTEB(eng, v2)"  # Figure 1's
+
+
+def format_adaptation_gaps(runs: list[dict[str, Any]], probe: str) -> str:
+    """Frozen against unfrozen per run (Figure 1, section 5.3): the GLUE probe's average beside the fine-tuned one,
+    MTEB(eng, v2)'s Avg. over frozen features beside the whole model's, and the gap (unfrozen minus frozen); then
+    each app's mean MTEB gap beside the paper's prose (BERT about 15 points, CrossBERT about 1)."""
+    def avg(scores: dict) -> float | None:
+        return scores.get("avg") if "avg" in scores else scores.get("Avg.")
+
+    def cell(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    lines = [f"| run | app | C (FLOPs) | GLUE {probe} probe | GLUE fine-tuned | {GAP_BENCHMARK} frozen | "
+             f"{GAP_BENCHMARK} whole model | gap |", "|---" * 8 + "|"]
+    gaps: dict[str, list[float]] = {}
+    for run in runs:
+        frozen, full = avg(run["mteb"].get(GAP_BENCHMARK, {})), avg(run["mteb_full"].get(GAP_BENCHMARK, {}))
+        gap = None if frozen is None or full is None else full - frozen
+        if gap is not None:
+            gaps.setdefault(run["app"], []).append(gap)
+        lines.append(f"| {'/'.join(run['dir'].parts[-2:])} | {run['app']} | {run['compute']:.2g} | "
+                     f"{cell(avg(run['probes'].get(probe, {})))} | {cell(avg(run['finetune']))} | {cell(frozen)} | "
+                     f"{cell(full)} | {cell(gap)} |")
+    published = paper.PROSE["adaptation_gap"]
+    ours = "; ".join(f"{app} {sum(values) / len(values):.1f} over {len(values)} runs" for app, values in gaps.items())
+    lines += ["", f"{GAP_BENCHMARK} gap, unfrozen minus frozen Avg., mean per app: ours {ours or 'none yet'}; the "
+              "paper (section 5.3): " + ", ".join(f"{paper.NAMES[app]} about {points}" for app, points in
+                                                   published.items()) + " points."]
     return "\n".join(lines)
 
 

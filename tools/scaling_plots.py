@@ -12,25 +12,35 @@ import numpy as np
 from lingua.args import load_config
 from lingua.errors import UserError, require
 from lingua.model.scaling import best_per_group, fit_power_law
-from tools.scaling_runs import fitted_hyperparameters, probe_curves, read_run, require_probe, run_dirs
+from tools.scaling_runs import (
+    fitted_hyperparameters,
+    loss_events,
+    probe_curves,
+    read_run,
+    require_probe,
+    run_dirs,
+    training_history,
+)
 
-PLOT_KINDS = ("curves", "loss", "probes", "training", "glue_tasks", "mteb_types", "sources", "heatmaps")
+PLOT_KINDS = ("curves", "loss", "probes", "training", "glue_tasks", "mteb_types", "sources", "heatmaps", "spikes")
 
 
 @dataclass
 class PlotArgs:
-    kind: str = "curves"  # curves | loss | probes | training | glue_tasks | mteb_types | sources | heatmaps
+    kind: str = "curves"  # curves | loss | probes | training | glue_tasks | mteb_types | sources | heatmaps | spikes
     runs: str = ""  # comma-separated sweep folders (or dump_dirs)
     out: str = "plot.png"
     probe: str = "linear"  # probes, training and glue_tasks: linear | knn
     benchmark: str = "MTEB(eng, v2)"  # mteb_types: the benchmark whose task types are drawn
     fit: bool = False  # probes, glue_tasks and mteb_types: each app's power law fitted to its scores
     keep: int = 3  # heatmaps: the best runs per model size the LR and BSZ laws are fitted to (the paper: 3)
+    rise: float = 0.1  # spikes: a logged loss this far above the median of the previous 10 log lines is a spike
 
     def __post_init__(self):
         require_probe(self.probe)
         require(self.kind in PLOT_KINDS, "kind", f"must be one of {', '.join(PLOT_KINDS)}, got '{self.kind}'")
         require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
+        require(self.rise > 0, "rise", f"must be > 0, got {self.rise}")
 
 
 def plot_command(argv: list[str]) -> None:
@@ -42,7 +52,7 @@ def plot_command(argv: list[str]) -> None:
 
     runs = [read_run(d) for d in run_dirs(args.runs)]
     plotters = {"training": _plot_training, "glue_tasks": _plot_per_task, "mteb_types": _plot_per_task,
-                "sources": _plot_sources, "heatmaps": _plot_heatmaps}
+                "sources": _plot_sources, "heatmaps": _plot_heatmaps, "spikes": _plot_spikes}
     _save(plt, plotters.get(args.kind, _plot_summary)(plt, runs, args), args.out)
 
 
@@ -51,7 +61,8 @@ def _plot_summary(plt, runs: list[dict[str, Any]], args: PlotArgs):
     # Losses get a panel per app: the apps' losses are of different tasks (and scales), not comparable; probes a
     # panel per benchmark, GLUE then each MTEB benchmark evaluated, the apps side by side.
     panels = (sorted({run["app"] for run in runs}) if args.kind in ("curves", "loss")
-              else ["GLUE", *sorted({benchmark for run in runs for benchmark in run["mteb"]})])
+              else ["GLUE", *sorted({benchmark for run in runs for results in ("mteb", "mteb_full")
+                                     for benchmark in run[results]})])
     fig, axes = plt.subplots(1, len(panels), figsize=(1 + 5 * len(panels), 4), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         shown = [run for run in runs if run["app"] == panel]  # curves and loss: the panel's app
@@ -63,12 +74,15 @@ def _plot_summary(plt, runs: list[dict[str, Any]], args: PlotArgs):
         elif args.kind == "loss":
             _scatter_with_law(ax, shown, lambda run: run["final_val_loss"])
             ax.set_ylabel("final validation loss")
-        elif panel == "GLUE":
-            _scatter_with_law(ax, runs, lambda run: run["probes"].get(args.probe, {}).get("avg"), fit=args.fit)
-            ax.set_ylabel(f"frozen GLUE average, {args.probe} probe (%)")
-        else:
-            _scatter_with_law(ax, runs, lambda run, benchmark=panel: run["mteb"].get(benchmark, {}).get("Avg."),
-                              fit=args.fit)
+        elif panel == "GLUE":  # frozen: the linear (or kNN) probe; unfrozen: the fine-tuning recipe of Table 3
+            _scatter_with_law(ax, runs, lambda run: run["probes"].get(args.probe, {}).get("avg"), fit=args.fit,
+                              frozen=True)
+            _scatter_with_law(ax, runs, lambda run: run["finetune"].get("avg"), fit=args.fit, frozen=False)
+            ax.set_ylabel(f"GLUE average (%): frozen, {args.probe} probe; unfrozen, fine-tuned")
+        else:  # contrastive training over frozen features, or of the whole model
+            for frozen, results in ((True, "mteb"), (False, "mteb_full")):
+                _scatter_with_law(ax, runs, lambda run, benchmark=panel, results=results: run[results].get(
+                    benchmark, {}).get("Avg."), fit=args.fit, frozen=frozen)
             ax.set_ylabel(f"{panel} Avg. (%)")
         _against_compute(ax, panel)
     return fig
@@ -91,18 +105,21 @@ def _plot_training(plt, runs: list[dict[str, Any]], args: PlotArgs):
     return fig
 
 
-def task_scores(run: dict[str, Any], args: PlotArgs) -> dict[str, float]:
-    """The run's frozen score per GLUE task (glue_tasks: the probe's) or per task type of the benchmark (mteb_types:
-    the type means of its summary), in the order its results list them."""
+def task_scores(run: dict[str, Any], args: PlotArgs, frozen: bool = True) -> dict[str, float]:
+    """The run's score per GLUE task (glue_tasks: the probe's on frozen features, else fine-tuned) or per task type
+    of the benchmark (mteb_types: the type means of its summary, over frozen features or of the whole model), in the
+    order its results list them."""
     if args.kind == "glue_tasks":
-        return {task: score for task, score in run["probes"].get(args.probe, {}).items() if task != "avg"}
-    summary = run["mteb"].get(args.benchmark, {})
+        scores = run["probes"].get(args.probe, {}) if frozen else run["finetune"]
+        return {task: score for task, score in scores.items() if task != "avg"}
+    summary = run["mteb" if frozen else "mteb_full"].get(args.benchmark, {})
     return {kind: score for kind, score in summary.items() if kind not in ("Avg.", "Overall")}
 
 
 def _plot_per_task(plt, runs: list[dict[str, Any]], args: PlotArgs):
-    """Figures 4 (GLUE tasks) and 3 (MTEB task types): a panel each, every app's scores against compute."""
-    scores = {run["dir"]: task_scores(run, args) for run in runs}
+    """Figures 4 (GLUE tasks) and 3 (MTEB task types): a panel each, every app's scores against compute, frozen and,
+    where the runs have them, unfrozen."""
+    scores = {(run["dir"], frozen): task_scores(run, args, frozen) for run in runs for frozen in (True, False)}
     panels = list(dict.fromkeys(task for by_task in scores.values() for task in by_task))
     if not panels:
         found = (f"GLUE {args.probe} probe results (DUMP_DIR/glue_eval)" if args.kind == "glue_tasks"
@@ -110,9 +127,11 @@ def _plot_per_task(plt, runs: list[dict[str, Any]], args: PlotArgs):
         raise UserError(f"no {found} in {args.runs}")
     fig, axes = _grid(plt, len(panels))
     for ax, panel in zip(axes, panels):
-        _scatter_with_law(ax, runs, lambda run, task=panel: scores[run["dir"]].get(task), fit=args.fit)
+        for frozen in (True, False):
+            _scatter_with_law(ax, runs, lambda run, task=panel, frozen=frozen: scores[run["dir"], frozen].get(task),
+                              fit=args.fit, frozen=frozen)
         _against_compute(ax, panel)
-        ax.set_ylabel(f"frozen {args.probe} probe (%)" if args.kind == "glue_tasks" else "score (%)")
+        ax.set_ylabel(f"{args.probe} probe or fine-tuned (%)" if args.kind == "glue_tasks" else "score (%)")
     return fig
 
 
@@ -160,6 +179,39 @@ def _plot_heatmaps(plt, runs: list[dict[str, Any]], args: PlotArgs):
         _against_compute(ax, f"{name.upper()}(C) = {fit.law.coefficient:.3g} C^{fit.law.exponent:.3f}")
         ax.set_yscale("log")
         ax.set_ylabel("peak learning rate" if name == "lr" else "BSZ (token-views per step)")
+    return fig
+
+
+def _plot_spikes(plt, runs: list[dict[str, Any]], args: PlotArgs):
+    """Appendix I's evidence: each run's training loss against steps from every progress line of its log (the
+    stretches a divergence threw away included), its spikes marked, the non-finite losses and the restarts from an
+    earlier checkpoint (the divergence guard stops a run without saving) as vertical lines; a panel per run, and a
+    line per run printed."""
+    histories = {run["dir"]: training_history(run["dir"]) for run in runs}
+    if not any(histories.values()):
+        raise UserError(f"no progress lines (step N/T | loss ...) in the train.log of {args.runs}")
+    shown = [run for run in runs if histories[run["dir"]]]
+    fig, axes = _grid(plt, len(shown), width=5.0, columns=2)
+    for ax, run in zip(axes, shown):
+        history, name = histories[run["dir"]], "/".join(run["dir"].parts[-2:])
+        events = loss_events(history, args.rise)
+        ax.plot(*zip(*history), linewidth=0.8, label="training loss (log lines)")
+        if events.spikes:
+            ax.plot(*zip(*events.spikes), "x", color="red", label=f"spikes (> {1 + args.rise:g} x median)")
+        for step in events.non_finite:
+            ax.axvline(step, color="red", linewidth=0.8)
+        for last, resumed in events.rewinds:
+            ax.axvspan(resumed, last, color="orange", alpha=0.3)
+        ax.set_title(f"{name} ({run['app']})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_yscale("log")
+        ax.legend(fontsize=6)
+        steps = ", ".join(str(step) for step, _ in events.spikes[:10]) + (", ..." if len(events.spikes) > 10 else "")
+        restarts = "".join(f" ({last} back to {resumed})" for last, resumed in events.rewinds)
+        print(f"{name}: {len(events.spikes)} loss spikes" + (f" (steps {steps})" if steps else "")
+              + f"; {len(events.non_finite)} non-finite losses; {len(events.rewinds)} restarts from an earlier "
+              f"checkpoint{restarts}")
     return fig
 
 
@@ -218,11 +270,17 @@ def _draw_law(ax, points: list[tuple[float, float]], label: str, color: str = "b
             label=f"{label}: {law.coefficient:.3g} C^{law.exponent:.3f}")
 
 
-def _scatter_with_law(ax, runs, value, fit: bool = True) -> None:
-    for app in sorted({run["app"] for run in runs}):
+def _scatter_with_law(ax, runs, value, fit: bool = True, frozen: bool | None = None) -> None:
+    """Each app's points of `value` against compute, an app's color the same in every panel and series; `frozen`
+    (scores) labels the series and draws the unfrozen one dashed with open squares, as Figure 1 sets them apart."""
+    apps = sorted({run["app"] for run in runs})
+    for index, app in enumerate(apps):
         points = sorted((run["compute"], value(run)) for run in runs if run["app"] == app and value(run) is not None)
         if not points:
             continue
-        line, = ax.plot(*zip(*points), marker="o", linestyle="-" if not fit else "", label=app)
+        label = app if frozen is None else f"{app}, {'frozen' if frozen else 'unfrozen'}"
+        ax.plot(*zip(*points), marker="o" if frozen is not False else "s", color=f"C{index}",
+                fillstyle="full" if frozen is not False else "none",
+                linestyle="" if fit else "-" if frozen is not False else "--", label=label)
         if fit:
-            _draw_law(ax, points, app, line.get_color())
+            _draw_law(ax, points, label, f"C{index}")

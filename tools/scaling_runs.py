@@ -1,11 +1,15 @@
 """A sweep's runs as the scaling commands read them: the run folders a `runs=` spec names, what each holds (its app,
-shape, compute, validation curves, frozen GLUE and MTEB scores), and the LR and BSZ power laws fitted to the best of
-them. tools.scaling's fit and table and tools.scaling_plots all read runs through here; the plan does not.
+shape, compute, validation curves, GLUE and MTEB scores, frozen and fine-tuned, its log's loss events), and the LR
+and BSZ power laws fitted to the best of them. tools.scaling's fit and table and tools.scaling_plots all read runs
+through here; the plan does not.
 """
 
 import contextlib
 import glob
+import math
 import re
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,8 @@ from lingua.run_folder import METRICS, RunFolder
 from tools.eval.glue import read_summary
 from tools.eval.mteb import benchmark_of
 from tools.eval.mteb import read_results as read_mteb_results
+from tools.finetune.table import choose
+from tools.finetune.table import read_results as read_finetune_results
 
 PROBES = ("linear", "knn")
 
@@ -62,12 +68,15 @@ def read_run(dump_dir: Path) -> dict[str, Any]:
     return {
         "dir": dump_dir, "app": _app_of(dump_dir), "lr": config["optim"]["lr"],
         "bsz": round(last["data_tokens"] / last["step"] * views_per_token),  # views per token: 1 or 2 (CMS)
+        "views_per_token": round(views_per_token), "data_tokens_per_flop": last["data_tokens"] / last["compute_flops"],
         "size": f"{encoder['dim']}x{encoder['n_layers']}", "compute": last["compute_flops"],
         "val_curve": [(r["step"] * flops_per_step, r["val/loss"]) for r in val],
         "source_curves": source_curves(val, flops_per_step),
         "final_val_loss": val[-1]["val/loss"] if val else None,
         "probes": _probe_results(dump_dir),
-        "mteb": _mteb_results(dump_dir),
+        "finetune": _finetune_results(dump_dir),
+        "mteb": _mteb_results(dump_dir, "frozen"),
+        "mteb_full": _mteb_results(dump_dir, "full"),
         "probe_curve": [(r["step"] * flops_per_step, r) for r in probed],
     }
 
@@ -80,6 +89,44 @@ def source_curves(val: list[dict], flops_per_step: float) -> dict[str, list[tupl
             if key.startswith("val/loss/"):
                 curves.setdefault(key.removeprefix("val/loss/"), []).append((record["step"] * flops_per_step, loss))
     return curves
+
+
+PROGRESS = re.compile(r"step (\d+)/\d+ \| loss (\S+)")
+SPIKE_WINDOW = 10  # log lines: a spike is measured against the median of the loss over the previous ones
+
+
+def training_history(dump_dir: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every progress line of the run's train.log, in the order written: unlike metrics.jsonl, which
+    a resumed run rewrites from its checkpoint on, the log keeps the stretch a divergence threw away."""
+    return [(int(step), float(loss)) for step, loss in PROGRESS.findall(RunFolder(dump_dir).log_text())]
+
+
+@dataclass
+class LossEvents:
+    spikes: list[tuple[int, float]]  # (step, loss) more than `rise` above the median of the previous log lines
+    non_finite: list[int]  # steps logged with a loss that is not finite
+    rewinds: list[tuple[int, int]]  # (last step logged, step resumed after): a restart from an earlier checkpoint,
+    # as after the divergence guard stopped the run (it saves nothing) or a crash; a preempted run saves and goes on
+
+
+def loss_events(history: list[tuple[int, float]], rise: float) -> LossEvents:
+    """The loss spikes, non-finite losses and rewinds of a training history (Appendix I's evidence); the median
+    restarts after a rewind."""
+    events = LossEvents([], [], [])
+    recent: list[float] = []
+    last_step = 0
+    for step, loss in history:
+        if step <= last_step:
+            events.rewinds.append((last_step, step))
+            recent = []
+        last_step = step
+        if not math.isfinite(loss):
+            events.non_finite.append(step)
+            continue
+        if len(recent) == SPIKE_WINDOW and loss > (1 + rise) * statistics.median(recent):
+            events.spikes.append((step, loss))
+        recent = [*recent, loss][-SPIKE_WINDOW:]
+    return events
 
 
 def probe_curves(run: dict[str, Any], probe: str) -> dict[str, list[tuple[float, float]]]:
@@ -114,15 +161,27 @@ def _probe_results(dump_dir: Path) -> dict[str, dict[str, float]]:
     return read_summary(results[-1]).get("last", {})
 
 
-def _mteb_results(dump_dir: Path) -> dict[str, dict[str, float]]:
+def _mteb_results(dump_dir: Path, protocol: str) -> dict[str, dict[str, float]]:
     """{benchmark: its summary (a score per task type, Avg., Overall)} of the newest MTEB evaluation per benchmark
     filed with the run (DUMP_DIR/mteb_eval/*/: the contrastive model trained from it, evaluated with tools.eval.mteb
-    out=DUMP_DIR/mteb_eval/NAME)."""
+    out=DUMP_DIR/mteb_eval/NAME), for one protocol: "full" (NAME ends in _full: the whole model fine-tuned) or
+    "frozen" (any other NAME: a pooler over frozen features)."""
     found: dict[str, dict[str, float]] = {}
     for path in sorted(RunFolder(dump_dir).evaluation_results("mteb"), key=lambda p: p.stat().st_mtime):
-        results = read_mteb_results(path)
-        found[benchmark_of(results)] = results["summary"]
+        if (path.parent.name.endswith("_full")) == (protocol == "full"):
+            results = read_mteb_results(path)
+            found[benchmark_of(results)] = results["summary"]
     return found
+
+
+def _finetune_results(dump_dir: Path) -> dict[str, float]:
+    """{task: score, "avg": their mean} of the GLUE fine-tuning runs that descend from the run, in the sweeps beside
+    it (a pipeline's VARIANT/finetune*/ beside VARIANT/pretrain), each task at the learning rate chosen on dev
+    (tools.finetune.table's choice: the best median over seeds)."""
+    results, _ = read_finetune_results(sorted(dump_dir.parent.glob("finetune*")))
+    own = [r for r in results if RunFolder.of(r.model).root.resolve() == dump_dir.resolve()]
+    scores = {task: entry["score"] for tasks in choose(own).values() for task, entry in tasks.items()}
+    return scores | {"avg": sum(scores.values()) / len(scores)} if scores else {}
 
 
 def fitted_hyperparameters(runs: list[dict[str, Any]], keep: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -169,7 +169,7 @@ def table3(variants: list[Variant]) -> list[str]:
     lines = ["# Table 3", "", "Ours: this pipeline's runs; *italic*: the paper's. FLOPs in the paper's counting "
              "(eq. 6-8); tps, as the paper's: training token-views per second per GPU (the median over the "
              "pre-training run's log lines, divided by its processes; CrossBERT with CMS sees each sequence twice).",
-             ""]
+             ""] + speedup(variants)
     lines += glue_section("GLUE, full fine-tuning (dev; median over seeds at the learning rate chosen on dev)",
                           [(v.model, _meta(v), v.finetune) for v in variants], published(paper.GLUE_FINETUNE), META)
     lines += glue_section("GLUE, linear probe on frozen features",
@@ -187,6 +187,17 @@ def table3(variants: list[Variant]) -> list[str]:
                               published(numbers), META, whole_benchmark(benchmark),
                               [notes[app] for app in apps if app in numbers and app in notes])
     return lines + literature()
+
+
+def speedup(variants: list[Variant]) -> list[str]:
+    """Section 5.2's throughput claim, ours beside it where the pipeline measured a CrossBERT's and a BERT's tps."""
+    tps = {v.keys.get("app"): (v.pretrain or {}).get("tps") for v in variants}
+    if not (tps.get("crossbert") and tps.get("bert")):
+        return []
+    published = paper.PROSE["speedup"]
+    return [f"CrossBERT's tps over BERT's: ours {tps['crossbert'] / tps['bert']:.2f}x ({tps['crossbert'] / 1e3:.1f}k "
+            f"vs {tps['bert'] / 1e3:.1f}k); the paper (section 5.2) {published['ratio']}x ({published['crossbert']} "
+            f"vs {published['bert']} tokens/s on H100s).", ""]
 
 
 def literature() -> list[str]:
@@ -283,18 +294,35 @@ def table7(variants: list[Variant]) -> list[str]:
             [(f"{PAPER_CROSSBERT}, paper", [CHECK[row]], paper.WARM_START[row]) for row in shown], ["Warm-start"],
             whole_benchmark(benchmark), [paper.NOTES["warm_start"][row] for row in shown
                                          if row in paper.NOTES["warm_start"]])
+        lines += warm_start_gain(variants, benchmark)
     return lines
+
+
+def warm_start_gain(variants: list[Variant], benchmark: str) -> list[str]:
+    """Appendix D's claim (warm-starting the pooler "improves MTEB scores by about 2 %"), ours beside it: the warm
+    row's Avg. and Overall minus the cold row's, where the pipeline has both."""
+    summaries = {v.label: v.mteb_runs.get((benchmark, "frozen"), {}).get("summary") for v in variants}
+    if not (summaries.get("cold") and summaries.get("warm")):
+        return []
+    gains = {key: summaries["warm"][key] - summaries["cold"][key] for key in ("Avg.", "Overall")
+             if key in summaries["warm"] and key in summaries["cold"]}
+    cold, warm = paper.WARM_START["cold"], paper.WARM_START["warm"]
+    return [f"Warm start minus cold: ours {', '.join(f'{key} {gain:+.1f}' for key, gain in gains.items())}; the "
+            f"paper's text (section 4.2, Appendix D) about +{paper.PROSE['warm_start_gain']} (its Table 7: Avg. "
+            f"{warm[-2] - cold[-2]:+.1f}, Overall {warm[-1] - cold[-1]:+.1f}).", ""]
 
 
 def table9(variants: list[Variant]) -> list[str]:
     """Appendix I's zoom on the 1B models at 1e21 FLOPs; the paper's text has no numbers for it: ours alone, each
-    row with the init std its pipeline variant gave (`init_std`)."""
+    row with the init std its pipeline variant gave (`init_std`), labelled by its `row` where it has one (Appendix
+    I's variations: docs/pipelines/appendix_i.yaml)."""
     lines = ["# Table 9: the 1B models at 1e21 FLOPs (Appendix I)", "",
              "The paper's text gives no numbers for this table (its table is empty there; its prose: BERT and Electra "
              "collapse at 1B, CrossBERT 1B significantly outperforms Electra 1B): ours alone.", ""]
     return lines + glue_section(
         "GLUE, linear probe on frozen features",
-        [(v.model, [*_meta(v), str(v.keys.get("init_std", "–"))], v.probes.get("linear", {})) for v in variants], [],
+        [(str(v.keys.get("row", v.model)), [*_meta(v), str(v.keys.get("init_std", "–"))], v.probes.get("linear", {}))
+         for v in variants], [],
         [*META, "Init std"])
 
 
