@@ -342,7 +342,7 @@ class Trainer:
         self.guard.check()
         data_tokens = self.state.data_tokens
         record = {"step": step, **self.window.means(), "lr": lr, **self.throughput.report(),
-                  "data_tokens": data_tokens, **self.throughput.compute(data_tokens * self.model.views_per_sequence),
+                  "data_tokens": data_tokens, **self._compute(data_tokens),
                   "memory_gib": peak_memory_gib(self.device), "malformed_lines": loader.malformed_lines,
                   "new_malformed_lines": loader.new_malformed_lines()}
         record |= reduce_over_ranks(record, self.device, maximum=("memory_gib", "data_wait"),
@@ -350,6 +350,13 @@ class Trainer:
         metrics.log(record)
         logger.info(format_progress(record, self.config.steps))
         self.last = record
+
+    def _compute(self, data_tokens: int) -> dict[str, float]:
+        """The compute spent up to `data_tokens`: that of the phases before this run's (a continued run's parents,
+        each at its own FLOPs per token: a phase may change the sequence length or the mask ratio), then this one's."""
+        start = self.state.phase_start or {}
+        since = self.throughput.compute((data_tokens - start.get("data_tokens", 0)) * self.model.views_per_sequence)
+        return {key: flops + start.get(key, 0) for key, flops in since.items()}
 
     def _evaluate(self, step: int, metrics: MetricLogger) -> None:
         """The evaluations due at this step, on finite weights only, each logged; a new best of an evaluation's
@@ -389,6 +396,7 @@ class Trainer:
         self.guard.check_before_save(self.model, step)  # a non-finite state never becomes a checkpoint
         self.state.step, self.state.data, self.state.evaluation_skipped = step, loader.state_dict(), stopping
         self.state.generator = self.generator.get_state().tolist()
+        self.state.compute = self._compute(self.state.data_tokens)
         self.checkpoints.save(step, self.model, self.optimizer, self.state.state_dict(), self.params)
 
 

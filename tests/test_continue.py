@@ -61,7 +61,8 @@ def test_a_decay_branch_equals_a_run_never_interrupted(stable, tmp_path):
 
 def test_a_phase_grows_the_context_and_the_export_carries_it(stable, tmp_path, capsys):
     """Context extension: twice the sequence length with the model's max_seqlen and rope_theta; the data position
-    carries over (the same sources); the export's length is the phase's."""
+    carries over (the same sources); the parent's compute is counted at its length, the phase's at the new one; the
+    export's length is the phase's."""
     from lingua.export.embedder import load_embedder
     from lingua.export.hf_folder import hf_config
 
@@ -72,7 +73,12 @@ def test_a_phase_grows_the_context_and_the_export_carries_it(stable, tmp_path, c
                                                "model.encoder.rope_theta=20000", "data.batch_size=4"])
     config = yaml.safe_load((longer / "config.yaml").read_text())
     assert config["phase"] == "phase" and config["continue_from"].endswith("0000000020")
-    assert sorted(read_metrics(longer)) == list(range(21, 25))
+    got, before = read_metrics(longer), read_metrics(parent)[20]
+    assert sorted(got) == list(range(21, 25))
+    step_tokens = got[21]["data_tokens"] - before["data_tokens"]
+    per_token = (got[22]["compute_flops"] - got[21]["compute_flops"]) / step_tokens
+    assert per_token > before["compute_flops"] / before["data_tokens"]  # the longer rows' attention costs more
+    assert got[21]["compute_flops"] == pytest.approx(before["compute_flops"] + step_tokens * per_token, rel=1e-12)
     assert "the data position starts afresh" not in capsys.readouterr().out
     assert hf_config(load_embedder(str(longer)), None, None, {})["max_position_embeddings"] == 64
 

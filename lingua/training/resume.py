@@ -173,7 +173,10 @@ def continue_run(start: Start, model, optimizer, app: App, config, launch: Launc
     moved = data_position_changes(parent.config["data"], to_dict(config.data))
     if moved:
         logger.warning(f"the data position starts afresh: {', '.join(moved)} changed")
-    return {**this_ranks_state(states, app, config, launch, not moved), "best": None, "evaluation_skipped": False}
+    state = this_ranks_state(states, app, config, launch, not moved)
+    counted = state.get("compute") and {"data_tokens": state["data_tokens"], **state["compute"]}  # None: saved before
+    # the library counted compute in checkpoints; the parent's tokens are then counted at this run's FLOPs per token
+    return {**state, "best": None, "evaluation_skipped": False, "phase_start": counted or None}
 
 
 def data_position_changes(old: dict, new: dict) -> list[str]:
