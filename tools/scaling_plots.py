@@ -12,7 +12,7 @@ import numpy as np
 from lingua.args import load_config
 from lingua.errors import UserError, require
 from lingua.model.scaling import best_per_group, fit_power_law
-from tools.scaling_runs import fitted_hyperparameters, probe_curves, read_run, require_probe, run_dirs
+from tools.scaling_runs import fitted_hyperparameters, probe_curves, read_runs, require_probe
 
 PLOT_KINDS = ("curves", "loss", "probes", "training", "glue_tasks", "mteb_types", "sources", "heatmaps")
 
@@ -40,7 +40,7 @@ def plot_command(argv: list[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [read_run(d) for d in run_dirs(args.runs)]
+    runs = read_runs(args.runs)
     plotters = {"training": _plot_training, "glue_tasks": _plot_per_task, "mteb_types": _plot_per_task,
                 "sources": _plot_sources, "heatmaps": _plot_heatmaps}
     _save(plt, plotters.get(args.kind, _plot_summary)(plt, runs, args), args.out)
