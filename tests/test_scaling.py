@@ -129,7 +129,7 @@ def test_fit_command_on_a_synthetic_sweep(tmp_path, capsys):
     assert "LR(C) = 69.18 x C^-0.240" in printed
 
 
-@pytest.mark.parametrize("kind", ["curves", "loss", "probes"])
+@pytest.mark.parametrize("kind", ["curves", "loss", "probes", "schedules"])
 def test_plots_are_written(tmp_path, kind):
     for app, offset in (("bert", 0.0), ("crossbert", -0.2)):
         for compute in (1e14, 1e15):
