@@ -111,3 +111,12 @@ def test_continue_from_refuses_weights_only_and_init_from(stable, tmp_path):
         run(tiny_argv(corpus, tmp_path / "a", steps=30) + [f"continue_from={parent}/consolidated.pt"])
     with pytest.raises(UserError, match="continue_from.*exclude each other"):
         run(tiny_argv(corpus, tmp_path / "b", steps=30) + [f"continue_from={parent}", f"init_from={parent}"])
+
+
+def test_a_phase_with_another_mask_ratio_keeps_the_data_position(stable, tmp_path, capsys):
+    corpus, parent = stable
+    run(tiny_argv(corpus, tmp_path / "ratio", steps=22) + [f"continue_from={parent}", "model.mask_ratio=0.3"])
+    out = capsys.readouterr().out
+    assert "continuing with changed settings: " in out and "model.mask_ratio 0.2 -> 0.3" in out
+    assert "the data position starts afresh" not in out
+    assert yaml.safe_load((tmp_path / "ratio" / "config.yaml").read_text())["phase"] == "phase"
