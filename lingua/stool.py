@@ -60,7 +60,8 @@ from lingua.jobs.launcher import (
 from lingua.jobs.status import describe, format_status, is_folder_name, status_rows
 from lingua.run_folder import CODE, LOCAL_CONTROLLERS_LOG, PIPELINE_RECORD, SUBMITIT, SWEEP_RECORD, RunFolder
 
-PATH_KEYS = ("dump_dir", "data.root_dir", "data.path", "data.tokenizer.path", "init_from", "eval.data")  # made absolute
+PATH_KEYS = ("dump_dir", "data.root_dir", "data.path", "data.tokenizer.path", "init_from", "continue_from",
+             "eval.data")  # made absolute
 
 
 @dataclass

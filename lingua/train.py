@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lingua.app import App, build_model
-from lingua.args import command_line, dump_config, load_config, to_dict
+from lingua.args import command_line, config_changes, dump_config, load_config, to_dict
 from lingua.checkpoint.store import CheckpointArgs, CheckpointManager, TrainState, save_consolidated
 from lingua.data.loader import DataArgs, ReadAhead
 from lingua.data.tokenizer import build_tokenizer, recorded
@@ -74,8 +74,8 @@ from lingua.training.lifecycle import (
     stop_signals_held_for_the_main_thread,
 )
 from lingua.training.memory import memory_shortfall
-from lingua.training.optim import OptimArgs, build_optimizer, lr_at, set_lr
-from lingua.training.resume import Start, architecture_changes, open_start, resume
+from lingua.training.optim import OptimArgs, build_optimizer, check_schedule, lr_at, set_lr
+from lingua.training.resume import Start, architecture_changes, continue_run, open_start, resume
 from lingua.training.step import training_step
 from lingua.training.validation import EvalContext, ValidationArgs, build_evaluations, check_evaluations
 
@@ -95,6 +95,12 @@ class TrainArgs:
     batch_warmup: BatchWarmupArgs = field(default_factory=BatchWarmupArgs)  # fewer micro-batches per step at first
     device: str = "auto"  # auto: each rank's GPU if there is one, else the CPU
     init_from: str = ""  # a new run starts from these weights (checkpoint folder, dump_dir or consolidated.pt)
+    # a new run continues another run's training from its checkpoint (DUMP_DIR: its newest, or DUMP_DIR/checkpoints/N):
+    # weights, optimizer, step, tokens and data position; recorded as the exact checkpoint. A WSD decay branch, or a
+    # phase (data.seq_len with the model's max_seqlen and rope_theta, the data mix, the mask ratio)
+    continue_from: str = ""
+    phase: str = ""  # the continued run's phase, recorded in its config (default: branch, or phase if data or model
+    # settings changed)
     data: DataArgs = field(default_factory=DataArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
@@ -108,6 +114,9 @@ class TrainArgs:
         at_least(self, 1, "steps", "grad_acc_steps")
         at_least(self, 0, "seed")
         check_batch_warmup(self.batch_warmup, self.grad_acc_steps)
+        require(not (self.init_from and self.continue_from), "continue_from",
+                "and init_from exclude each other (continue_from carries the weights as well)")
+        check_schedule(self.optim, self.steps)
 
 
 @dataclass
@@ -161,10 +170,25 @@ def resolve_config(app: App, config, start: Start):
     if app.configure is not None:
         config = app.configure(config, start)
     config = replace(config, data=replace(config.data, tokenizer=recorded(config.data.tokenizer)))
+    config = recorded_continuation(config, start)
     check_logging(config.logging)
     if config.data.seq_len > config.model.encoder.max_seqlen:
         raise UserError(f"data.seq_len ({config.data.seq_len}) exceeds model.encoder.max_seqlen "
                         f"({config.model.encoder.max_seqlen}), the length of the position table")
+    return config
+
+
+def recorded_continuation(config, start: Start):
+    """A continued run's config names the exact checkpoint it continues from and its phase; resumed, it keeps what
+    its first start recorded (its parent may have newer checkpoints since)."""
+    if start.continued is not None:
+        changed = any(key.startswith(("data.", "model.")) for key in config_changes(start.continued.config,
+                                                                                      to_dict(config)))
+        return replace(config, continue_from=str(start.continued.path.resolve()),
+                       phase=config.phase or ("phase" if changed else "branch"))
+    if start.resumed is not None and config.continue_from:
+        return replace(config, continue_from=start.resumed.get("continue_from", config.continue_from),
+                       phase=start.resumed.get("phase", config.phase))
     return config
 
 
@@ -218,9 +242,12 @@ class Trainer:
         )
 
     def _start_state(self, start: Start) -> TrainState:
-        """The resumed checkpoint's state, or a new run's (from `init_from`'s weights when given)."""
+        """The resumed checkpoint's state, or a new run's: continued from another run's checkpoint, or from
+        `init_from`'s weights when given."""
         config = self.config
         saved = resume(start, self.checkpoints, self.model, self.optimizer, self.app, config, self.launch)
+        if saved is None and start.continued is not None:
+            saved = continue_run(start, self.model, self.optimizer, self.app, config, self.launch)
         if saved is not None:
             state = TrainState.from_dict(saved)
             if state.generator is not None:
@@ -324,7 +351,7 @@ class Trainer:
         self.guard.check()
         data_tokens = self.state.data_tokens
         record = {"step": step, **self.window.means(), "lr": lr, **self.throughput.report(data_tokens),
-                  "data_tokens": data_tokens, **self.throughput.compute(data_tokens * self.model.views_per_sequence),
+                  "data_tokens": data_tokens, **self._compute(data_tokens),
                   "memory_gib": peak_memory_gib(self.device), "malformed_lines": loader.malformed_lines,
                   "new_malformed_lines": loader.new_malformed_lines()}
         record |= reduce_over_ranks(record, self.device, maximum=("memory_gib", "data_wait"),
@@ -332,6 +359,13 @@ class Trainer:
         metrics.log(record)
         logger.info(format_progress(record, self.config.steps))
         self.last = record
+
+    def _compute(self, data_tokens: int) -> dict[str, float]:
+        """The compute spent up to `data_tokens`: that of the phases before this run's (a continued run's parents,
+        each at its own FLOPs per token: a phase may change the sequence length or the mask ratio), then this one's."""
+        start = self.state.phase_start or {}
+        since = self.throughput.compute((data_tokens - start.get("data_tokens", 0)) * self.model.views_per_sequence)
+        return {key: flops + start.get(key, 0) for key, flops in since.items()}
 
     def _evaluate(self, step: int, metrics: MetricLogger) -> None:
         """The evaluations due at this step, on finite weights only, each logged; a new best of an evaluation's
@@ -371,6 +405,7 @@ class Trainer:
         self.guard.check_before_save(self.model, step)  # a non-finite state never becomes a checkpoint
         self.state.step, self.state.data, self.state.evaluation_skipped = step, loader.state_dict(), stopping
         self.state.generator = self.generator.get_state().tolist()
+        self.state.compute = self._compute(self.state.data_tokens)
         self.checkpoints.save(step, self.model, self.optimizer, self.state.state_dict(), self.params)
 
 

@@ -116,3 +116,47 @@ def test_a_profile_names_the_optimizer_step():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         training_step(model, torch.optim.AdamW(model.parameters()), [{"x": torch.ones(2, 4)}], clip=1.0)
     assert "optimizer" in {event.name for event in profile.events()}
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "1-sqrt"])
+def test_wsd_learning_rate_at_every_phase_boundary(shape):
+    """Warm-up to the peak, stable at the peak up to the decay's first step, then the shape down to lr_min."""
+    args = OptimArgs(lr=1e-3, lr_min=1e-5, warmup=10, schedule="wsd", decay=shape, decay_steps=20)
+    lrs = [lr_at(s, args, total_steps=100) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)  # warm-up
+    assert lrs[10:81] == [1e-3] * 71  # stable, the decay's first step included (progress 0)
+    half = {"linear": 0.5, "cosine": 0.5, "1-sqrt": 1 - math.sqrt(0.5)}[shape]
+    assert lrs[90] == pytest.approx(1e-5 + half * (1e-3 - 1e-5))  # half-way through the decay
+    assert all(a > b for a, b in zip(lrs[80:], lrs[81:]))
+    assert lr_at(100, args, 100) == pytest.approx(1e-5) and lr_at(150, args, 100) == pytest.approx(1e-5)
+
+
+def test_wsd_decay_as_a_fraction_and_a_stable_run():
+    fraction = OptimArgs(lr=1e-3, warmup=0, schedule="wsd", decay="linear", decay_fraction=0.25)
+    assert fraction.decay_window(200) == (150, 50)
+    assert lr_at(149, fraction, 200) == 1e-3 and lr_at(175, fraction, 200) == pytest.approx(1e-6 + 0.5 * (1e-3 - 1e-6))
+    stable = OptimArgs(lr=1e-3, warmup=5, schedule="wsd", decay_fraction=0.0)
+    assert [lr_at(s, stable, 50) for s in range(5, 50)] == [1e-3] * 45
+
+
+def test_a_wsd_branch_follows_its_stable_runs_learning_rate():
+    """A branch of N + K steps decaying over its last K has the stable run's learning rate for its first N steps."""
+    stable = OptimArgs(lr=1e-3, warmup=10, schedule="wsd", decay_fraction=0.0)
+    branch = OptimArgs(lr=1e-3, warmup=10, schedule="wsd", decay_steps=15)
+    assert [lr_at(s, branch, 75) for s in range(60)] == [lr_at(s, stable, 400) for s in range(60)]
+
+
+def test_the_default_schedule_is_unchanged_bitwise():
+    args = OptimArgs(lr=1e-3, lr_min=1e-6, warmup=10)
+    for step in range(0, 120, 7):
+        expected = args.lr * (step + 1) / 10 if step < 10 else 1e-6 + (1e-3 - 1e-6) * 0.5 * (
+            1 + math.cos(math.pi * min((step - 10) / 100, 1.0)))
+        assert lr_at(step, args, 110) == expected
+
+
+def test_a_wsd_decay_longer_than_the_run_is_one_line():
+    from lingua.train import TrainArgs
+    with pytest.raises(UserError, match="optim.decay_steps.*exceed the run's 30 steps"):
+        TrainArgs(dump_dir="d", steps=30, optim=OptimArgs(warmup=10, schedule="wsd", decay_steps=25))
+    with pytest.raises(UserError, match="schedule"):
+        OptimArgs(schedule="step")

@@ -131,7 +131,7 @@ def test_fit_command_on_a_synthetic_sweep(tmp_path, capsys):
     assert "LR(C) = 69.18 x C^-0.240" in printed
 
 
-@pytest.mark.parametrize("kind", ["curves", "loss", "probes"])
+@pytest.mark.parametrize("kind", ["curves", "loss", "probes", "schedules"])
 def test_plots_are_written(tmp_path, kind):
     for app, offset in (("bert", 0.0), ("crossbert", -0.2)):
         for compute in (1e14, 1e15):
@@ -158,7 +158,7 @@ def test_table_lists_runs_by_app_and_compute_with_their_probe_scores(tmp_path, c
 
 
 def test_commands_answer_help(capsys):
-    for command in (["plan", "--help"], ["fit", "--help"], ["plot", "--help"], ["table", "--help"]):
+    for command in (["plan", "--help"], ["fit", "--help"], ["plot", "--help"], ["table", "--help"], ["loss", "--help"]):
         with pytest.raises(SystemExit) as exit_:
             scaling.main(command)
         assert exit_.value.code == 0
@@ -460,3 +460,34 @@ def test_sample_efficiency_prints_the_data_each_run_needs_for_the_same_score(tmp
     with pytest.raises(SystemExit) as exit_:
         sample_efficiency.main([f"runs={tmp_path}/appendix_b/cms_on/pretrain"])
     assert exit_.value.code == 2 and "one run without CMS and one with" in capsys.readouterr().err
+def test_a_family_of_decay_branches_reads_as_runs_at_their_budgets_beside_cosine_runs(tmp_path, capsys):
+    """A stable WSD run with three branches (continue_from its checkpoints) and a cosine run per budget: the stable
+    run is their parent, not a run; each branch's curve starts with the parent's; the loss command lays the two
+    schedules side by side and fits each one's law."""
+    law = PowerLaw(30.0, -0.05)
+    fake_run(tmp_path / "stable", "bert", 64, 1e-3, 512, 4e14, [6.0, 5.5, 5.2, 5.0])  # steps 10-40, 1e13 per step
+    stable_config = yaml.safe_load((tmp_path / "stable" / "config.yaml").read_text())
+    for budget in (20, 30, 40):  # branching at 3/4 of each budget
+        compute = budget * 1e13
+        fake_run(tmp_path / f"cosine_{budget}", "bert", 64, 1e-3, 512, compute, [7.0, law(compute) + 0.02])
+        branch = tmp_path / f"branch_{budget}"
+        branch.mkdir()
+        config = {**stable_config, "steps": budget, "continue_from": str(tmp_path / "stable" / "checkpoints" /
+                                                                           f"{budget * 3 // 4:010d}"),
+                  "optim": {"lr": 1e-3, "schedule": "wsd", "decay": "linear"}}
+        (branch / "config.yaml").write_text(yaml.safe_dump(config))
+        (branch / "job.json").write_text(json.dumps({"script": "apps.bert.train", "job_id": "1", "folder": "x"}))
+        (branch / "metrics.jsonl").write_text("\n".join(map(json.dumps, [
+            {"step": budget, "loss": 5.0, "compute_flops": compute, "data_tokens": 512 * budget,
+             "token_views_per_s": 1.0, "data_tokens_per_s": 1.0}, {"step": budget, "val/loss": law(compute)}])))
+    runs = {run["dir"].name: run for run in scaling_runs.read_runs(str(tmp_path))}
+    assert "stable" not in runs and runs["branch_40"]["compute"] == 4e14
+    assert runs["branch_40"]["schedule"] == "wsd linear branch" and runs["cosine_40"]["schedule"] == "cosine"
+    assert runs["branch_40"]["val_curve"] == [(1e14, 6.0), (2e14, 5.5), (3e14, 5.2), (4e14, law(4e14))]
+    scaling.main(["loss", f"runs={tmp_path}"])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "| app | shape | steps | C (FLOPs) | cosine | wsd linear branch |"
+    assert printed[2] == f"| bert | 64x2 | 20 | 2e+14 | {law(2e14) + 0.02:.4f} | {law(2e14):.4f} |"
+    assert printed[4] == f"| bert | 64x2 | 20/40 | 4e+14 | {law(4e14) + 0.02:.4f} | {law(4e14):.4f} |"
+    assert printed[-1].startswith("bert, wsd linear branch: L(C) = 30 x C^-0.0500")
+    assert printed[-2].startswith("bert, cosine: L(C) = ")

@@ -4,6 +4,7 @@
     python -m tools.scaling fit runs=SWEEP_DIR[,SWEEP_DIR...] [keep=3]
     python -m tools.scaling plot kind=KIND runs=SWEEP_DIR[,...] out=PLOT.png [probe=linear|knn] [fit=true] [keep=3]
     python -m tools.scaling table runs=SWEEP_DIR[,...] [probe=linear|knn]
+    python -m tools.scaling loss runs=SWEEP_DIR[,...]
 
 plan: the shape from the app's family (the configs `shapes`, by default apps/<app>/configs/scaling_*.yaml, the
 paper's Appendix J) whose F_N is nearest sqrt(C / ratio); D = C / F_N token-views; BSZ and LR from the app's power
@@ -23,11 +24,15 @@ with the power law of the runs' final losses (sources, Figure 5 / Appendix F); a
 learning rate and batch size, a heatmap per model size, the best `keep` of each marked, then the LR and BSZ laws
 fitted to them (heatmaps, Appendix H); each run's training loss against steps from every progress line of its
 train.log, its spikes (a log line `rise` above the median of the previous 10), non-finite losses and restarts from an
-earlier checkpoint marked, and printed (spikes, Appendix I). fit=true draws each app's power law in the score plots.
-runs= takes patterns too (DIR/*/pretrain). table: a Markdown table of the runs by app and compute, with their final
-validation loss and frozen GLUE scores per task, then, where the runs were also fine-tuned (GLUE, or contrastive
+earlier checkpoint marked, and printed (spikes, Appendix I); the validation curves and final losses of runs of
+different learning-rate schedules, a law per schedule (schedules). fit=true draws each app's power law in the score
+plots. runs= takes patterns too (DIR/*/pretrain). table: a Markdown table of the runs by app and compute, with their
+final validation loss and frozen GLUE scores per task, then, where the runs were also fine-tuned (GLUE, or contrastive
 training of the whole model: mteb_eval/*_full), each run's frozen and unfrozen averages and Figure 1's gap beside the
-paper's.
+paper's. loss: the runs' final validation losses side by side per schedule (a column each: cosine, wsd, the WSD decay
+branches of a stable run, ...), a row per app, shape and budget, then the power law L(C) = a C^b of the final loss
+against compute fitted per app and schedule. A run other runs continue from (the stable run of decay branches) is
+read as their parent, never as a run at a budget (tools.scaling_runs.read_runs).
 """
 
 import copy
@@ -46,10 +51,16 @@ from lingua.app import App, load_app
 from lingua.args import command_line, load_config, read_yaml
 from lingua.errors import UserError
 from lingua.files.safe import atomic_write
-from lingua.model.scaling import TOKENS_PER_FLOP_PER_TOKEN, nearest_shape, optimal_flops_per_token, plan_batch
+from lingua.model.scaling import (
+    TOKENS_PER_FLOP_PER_TOKEN,
+    fit_power_law,
+    nearest_shape,
+    optimal_flops_per_token,
+    plan_batch,
+)
 from tools import paper
 from tools.scaling_plots import plot_command
-from tools.scaling_runs import fitted_hyperparameters, read_run, require_probe, run_dirs, validated_runs
+from tools.scaling_runs import fitted_hyperparameters, read_runs, require_probe, validated_runs
 
 
 @dataclass
@@ -71,6 +82,11 @@ class PlanArgs:
 class FitArgs:
     runs: str = ""  # comma-separated sweep folders (or dump_dirs)
     keep: int = 3  # best runs per model size kept for the fit (the paper: 3)
+
+
+@dataclass
+class LossArgs:
+    runs: str = ""  # comma-separated sweep folders (or dump_dirs): runs of several schedules, decay branches
 
 
 @dataclass
@@ -182,7 +198,7 @@ def fit_command(argv: list[str]) -> None:
 
 def table_command(argv: list[str]) -> None:
     args = load_config(TableArgs, argv)
-    runs = sorted(map(read_run, run_dirs(args.runs)), key=lambda r: (r["app"], r["compute"]))
+    runs = sorted(read_runs(args.runs), key=lambda r: (r["app"], r["compute"]))
     print(format_runs_table(runs, args.probe))
     if any(run["finetune"] or run["mteb_full"] for run in runs):
         print("\n" + format_adaptation_gaps(runs, args.probe))
@@ -234,7 +250,40 @@ def format_adaptation_gaps(runs: list[dict[str, Any]], probe: str) -> str:
     return "\n".join(lines)
 
 
-COMMANDS = {"plan": plan_command, "fit": fit_command, "plot": plot_command, "table": table_command}
+# ------------------------------------------------------------------------------------------------ loss
+
+
+def loss_command(argv: list[str]) -> None:
+    args = load_config(LossArgs, argv)
+    print(format_loss_laws(validated_runs(args.runs)))
+
+
+def format_loss_laws(runs: list[dict[str, Any]]) -> str:
+    """A Markdown table of the final validation losses, a row per app, shape and budget (compute, to 3 digits), a
+    column per schedule; then L(C) fitted per app and schedule (where two budgets or more have a loss)."""
+    schedules = sorted({run["schedule"] for run in runs})
+    rows: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for run in sorted(runs, key=lambda r: (r["app"], r["compute"])):
+        rows.setdefault((run["app"], run["size"], f"{run['compute']:.3g}"), {})[run["schedule"]] = run
+    lines = ["| app | shape | steps | C (FLOPs) | " + " | ".join(schedules) + " |", "|---" * (4 + len(schedules)) + "|"]
+    for (app, size, compute), by_schedule in rows.items():
+        steps = "/".join(sorted({str(run["steps"]) for run in by_schedule.values()}))
+        losses = [f"{by_schedule[name]['final_val_loss']:.4f}" if name in by_schedule else "-" for name in schedules]
+        lines.append(f"| {app} | {size} | {steps} | {compute} | " + " | ".join(losses) + " |")
+    lines.append("")
+    for app in sorted({run["app"] for run in runs}):
+        for name in schedules:
+            points = [(run["compute"], run["final_val_loss"]) for run in runs
+                      if run["app"] == app and run["schedule"] == name]
+            if len({compute for compute, _ in points}) >= 2:
+                fit = fit_power_law(*zip(*points))
+                lines.append(f"{app}, {name}: L(C) = {fit.law.coefficient:.4g} x C^{fit.law.exponent:.4f}   (exponent "
+                             f"± {fit.exponent_stderr:.4f}, {fit.points} runs)")
+    return "\n".join(lines)
+
+
+COMMANDS = {"plan": plan_command, "fit": fit_command, "plot": plot_command, "table": table_command,
+            "loss": loss_command}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -244,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
             print(__doc__)
             return
         if argv[0] not in COMMANDS:
-            raise UserError(f"unknown command '{argv[0]}' (plan, fit, plot or table)")
+            raise UserError(f"unknown command '{argv[0]}' (plan, fit, plot, table or loss)")
         COMMANDS[argv[0]](argv[1:])
 
 

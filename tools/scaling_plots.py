@@ -16,18 +16,19 @@ from tools.scaling_runs import (
     fitted_hyperparameters,
     loss_events,
     probe_curves,
-    read_run,
+    read_runs,
     require_probe,
-    run_dirs,
     training_history,
 )
 
-PLOT_KINDS = ("curves", "loss", "probes", "training", "glue_tasks", "mteb_types", "sources", "heatmaps", "spikes")
+PLOT_KINDS = ("curves", "loss", "probes", "training", "glue_tasks", "mteb_types", "sources", "heatmaps", "spikes",
+              "schedules")
 
 
 @dataclass
 class PlotArgs:
-    kind: str = "curves"  # curves | loss | probes | training | glue_tasks | mteb_types | sources | heatmaps | spikes
+    # curves | loss | probes | training | glue_tasks | mteb_types | sources | heatmaps | spikes | schedules
+    kind: str = "curves"
     runs: str = ""  # comma-separated sweep folders (or dump_dirs)
     out: str = "plot.png"
     probe: str = "linear"  # probes, training and glue_tasks: linear | knn
@@ -50,9 +51,10 @@ def plot_command(argv: list[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [read_run(d) for d in run_dirs(args.runs)]
+    runs = read_runs(args.runs)
     plotters = {"training": _plot_training, "glue_tasks": _plot_per_task, "mteb_types": _plot_per_task,
-                "sources": _plot_sources, "heatmaps": _plot_heatmaps, "spikes": _plot_spikes}
+                "sources": _plot_sources, "heatmaps": _plot_heatmaps, "spikes": _plot_spikes,
+                "schedules": _plot_schedules}
     _save(plt, plotters.get(args.kind, _plot_summary)(plt, runs, args), args.out)
 
 
@@ -212,6 +214,46 @@ def _plot_spikes(plt, runs: list[dict[str, Any]], args: PlotArgs):
         print(f"{name}: {len(events.spikes)} loss spikes" + (f" (steps {steps})" if steps else "")
               + f"; {len(events.non_finite)} non-finite losses; {len(events.rewinds)} restarts from an earlier "
               f"checkpoint{restarts}")
+    return fig
+
+
+def _plot_schedules(plt, runs: list[dict[str, Any]], args: PlotArgs):
+    """Learning-rate schedules compared (e.g. cosine runs against the WSD decay branches of a stable run), a row
+    per app: the validation curves (a colour per model size, a line style per schedule; a branch's curve starts with
+    its stable parent's), then the final losses against compute with each schedule's fitted law."""
+    runs = [run for run in runs if run["final_val_loss"] is not None]
+    apps = sorted({run["app"] for run in runs})
+    if not apps:
+        raise UserError(f"schedules: no run with a validation loss in {args.runs}")
+    sizes = sorted({run["size"] for run in runs}, key=lambda size: min(r["compute"] for r in runs if r["size"] == size))
+    schedules = sorted({run["schedule"] for run in runs})
+    colours = {size: plt.get_cmap("tab10")(i) for i, size in enumerate(sizes)}
+    styles = dict(zip(schedules, ["-", "--", ":", "-."] * len(schedules)))
+    markers = dict(zip(schedules, "osD^v" * len(schedules)))
+    fig, axes = plt.subplots(len(apps), 2, figsize=(13, 0.5 + 4.5 * len(apps)), squeeze=False)
+    for (curves, finals), app in zip(axes, apps):
+        shown = [run for run in runs if run["app"] == app]
+        for run in shown:
+            curves.plot(*zip(*run["val_curve"]), linestyle=styles[run["schedule"]], color=colours[run["size"]],
+                        linewidth=1.5)
+        for size in sizes:
+            curves.plot([], [], color=colours[size], label=f"dim x layers {size}")
+        for name in schedules:
+            curves.plot([], [], color="black", linestyle=styles[name], label=name)
+        _against_compute(curves, f"{app}: validation loss during training", "compute so far")
+        curves.set_ylabel("validation loss")
+        for name in schedules:
+            points = sorted((run["compute"], run["final_val_loss"]) for run in shown if run["schedule"] == name)
+            line, = finals.plot(*zip(*points), marker=markers[name], markersize=7, linestyle="", label=name)
+            _draw_law(finals, points, name, line.get_color())
+        _against_compute(finals, f"{app}: final validation loss per budget", "compute C")
+        finals.xaxis.set_minor_formatter("")  # the budgets' minor ticks' labels run into each other
+        finals.set_ylabel("final validation loss")
+    for ax in axes.flat:
+        ax.legend(fontsize=9)
+        ax.title.set_fontsize(12)
+        ax.xaxis.label.set_fontsize(11)
+        ax.yaxis.label.set_fontsize(11)
     return fig
 
 

@@ -65,8 +65,11 @@ def read_run(dump_dir: Path) -> dict[str, Any]:
     flops_per_step = last["compute_flops"] / last["step"]
     views_per_token = last["token_views_per_s"] / last["data_tokens_per_s"]
     encoder = config["model"]["encoder"]
+    parent = config.get("continue_from")
     return {
         "dir": dump_dir, "app": _app_of(dump_dir), "lr": config["optim"]["lr"],
+        "parent": RunFolder.of(parent).root.resolve() if parent else None, "schedule": schedule_of(config),
+        "steps": last["step"], "start_step": train[0]["step"] - 1, "flops_per_step": flops_per_step,
         "bsz": round(last["data_tokens"] / last["step"] * views_per_token),  # views per token: 1 or 2 (CMS)
         "views_per_token": round(views_per_token), "data_tokens_per_flop": last["data_tokens"] / last["compute_flops"],
         "size": f"{encoder['dim']}x{encoder['n_layers']}", "compute": last["compute_flops"],
@@ -79,6 +82,31 @@ def read_run(dump_dir: Path) -> dict[str, Any]:
         "mteb_full": _mteb_results(dump_dir, "full"),
         "probe_curve": [(r["step"] * flops_per_step, r) for r in probed],
     }
+
+
+def schedule_of(config: dict) -> str:
+    """The learning-rate schedule a run's config names: its decay's shape, after `wsd ` for warmup-stable-decay; a
+    `branch` when it continues another run's training."""
+    optim = config["optim"]
+    name = optim.get("decay", "cosine") if optim.get("schedule", "warmup_decay") == "warmup_decay" else \
+        f"wsd {optim.get('decay', 'cosine')}"
+    return f"{name} branch" if config.get("continue_from") else name
+
+
+def read_runs(spec: str) -> list[dict[str, Any]]:
+    """Every run of `spec` (run_dirs), as runs at their budgets: a run that another of them continues from (the
+    stable run of WSD decay branches, a phase before the next) is left out, its final loss being no finished run's;
+    a continued run's validation curve starts with its parent's, up to the step it continued from, and its compute
+    counts from the parent's start (the loop's count)."""
+    runs = [read_run(folder) for folder in run_dirs(spec)]
+    by_folder = {run["dir"].resolve(): run for run in runs}
+    for run in sorted(runs, key=lambda r: r["start_step"]):  # a parent starts before its branches: its curve is whole
+        parent = by_folder.get(run["parent"])
+        if parent is not None:
+            before = run["start_step"] * parent["flops_per_step"]
+            run["val_curve"] = [point for point in parent["val_curve"] if point[0] <= before] + run["val_curve"]
+    parents = {run["parent"] for run in runs}
+    return [run for run in runs if run["dir"].resolve() not in parents]
 
 
 def source_curves(val: list[dict], flops_per_step: float) -> dict[str, list[tuple[float, float]]]:
@@ -198,5 +226,5 @@ def fitted_hyperparameters(runs: list[dict[str, Any]], keep: int) -> tuple[list[
 
 
 def validated_runs(spec: str) -> list[dict[str, Any]]:
-    """The runs of `spec` that have a validation loss (what the fits read)."""
-    return [run for run in map(read_run, run_dirs(spec)) if run["final_val_loss"] is not None]
+    """The runs of `spec` (`read_runs`) that have a validation loss (what the fits read)."""
+    return [run for run in read_runs(spec) if run["final_val_loss"] is not None]

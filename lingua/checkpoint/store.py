@@ -99,6 +99,10 @@ class TrainState:
     generator: list[int] | None = None  # the masking generator's state (None: start it afresh)
     evaluation_skipped: bool = False  # the stop that saved this checkpoint skipped its step's evaluation
     best: dict | None = None  # the validation record where validation.keep_best was highest (best.pt's)
+    compute: dict | None = None  # {"compute_flops": ..., "compute_flops_with_head": ...} spent up to `step`
+    # the data tokens and compute spent before this run's phase (a run it continues, counted at that run's FLOPs per
+    # token); None: none, or the whole run at this run's FLOPs per token
+    phase_start: dict | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,6 +1,11 @@
 """What a run starts from (`Start`: read once, before its config is decided) and the resume policy: which checkpoint
 a run in an existing dump_dir continues from, what is refused (another app, another architecture) and what is only
-reported (changed settings)."""
+reported (changed settings).
+
+A new run may also continue from another run's checkpoint (`continue_from`): a decay branch of a stable WSD run, or
+a phase (a longer data.seq_len with the model's max_seqlen and rope_theta, another data mix or mask ratio). It
+carries the weights, the optimizer state, the step, the token count and the data position; the parent run is only
+read (its lock is not taken), and the new run writes into its own dump_dir."""
 
 import logging
 import time
@@ -11,13 +16,18 @@ from pathlib import Path
 from lingua.app import App
 from lingua.args import config_changes, to_dict
 from lingua.checkpoint.store import Checkpoint, CheckpointArgs, CheckpointManager, DamagedCheckpoint, verify
-from lingua.distributed import Launch, agreed_failure, barrier, broadcast_object, on_every_rank
+from lingua.distributed import Launch, agreed_failure, barrier, broadcast_object, fail_together, on_every_rank
 from lingua.errors import UserError
 from lingua.model.transformer import architecture_fields
 from lingua.run_folder import RunFolder
 from lingua.training.optim import lr_at
 
 logger = logging.getLogger(__name__)
+
+# what a phase may change in the model: the RoPE table's length and base (no tensor of the checkpoint depends on them)
+GROWABLE = ("max_seqlen", "rope_theta")
+# data settings a continued run may change and keep its data position (each source's position is in its own files)
+KEEP_DATA_POSITION = ("sources", "validation_sources", "seq_len", "batch_size", "prefetch", "document_mask")
 
 READ_ATTEMPTS = 4  # an I/O error while reading a checkpoint (a network file system's hiccup) is tried again,
 RETRY_DELAY_S = 2.0  # after this, then twice as long each time; then the run stops, every checkpoint kept
@@ -35,19 +45,31 @@ class Start:
     resumed: dict | None = None  # the config of the run in dump_dir, when it resumes (its newest checkpoint's)
     world_size: int = 1  # processes of this launch
     data: dict = field(default_factory=dict)  # what the data pipeline's `check` reports, e.g. {"train_rows": N}
+    continued: Checkpoint | None = None  # a new run's continue_from, opened (a checkpoint folder of another run)
 
 
 def open_start(app: App, config, run: RunFolder, world_size: int) -> Start:
     """How the run in `run` (config.dump_dir's folder) starts: the resumed run's config, else init_from opened (a
     resumed run has its own weights: its init_from may be gone), and the data's facts; a UserError for a bad
     init_from or bad data, before anything is written."""
-    resumed, init_from = resumed_config(run), None
-    if config.init_from and resumed is None:
-        try:
-            init_from = Checkpoint.open(config.init_from, app.name)  # this run's app is the one its command names
-        except UserError as e:
-            raise UserError(f"init_from: {e}") from None
-    return Start(run, init_from, resumed, world_size, app.data.check(config.data))
+    resumed, init_from, continued = resumed_config(run), None, None
+    if resumed is None:
+        init_from = _open("init_from", config.init_from, app)
+        continued = _open("continue_from", config.continue_from, app)
+    if continued is not None and not continued.path.is_dir():
+        raise UserError(f"continue_from {continued.path} holds weights only: name a run or one of its checkpoint "
+                        "folders (DUMP_DIR/checkpoints/N), which hold the optimizer state and the data position")
+    return Start(run, init_from, resumed, world_size, app.data.check(config.data), continued)
+
+
+def _open(key: str, path: str, app: App) -> Checkpoint | None:
+    """The checkpoint config key `key` names, opened (shapes and config, no weight); None when it names none."""
+    if not path:
+        return None
+    try:
+        return Checkpoint.open(path, app.name)  # this run's app is the one its command names
+    except UserError as e:
+        raise UserError(f"{key}: {e}") from None
 
 
 def resumed_config(run: RunFolder) -> dict | None:
@@ -102,13 +124,68 @@ def resume(start: Start, checkpoints: CheckpointManager, model, optimizer, app: 
             continue
         logger.info(f"resumed from {path}")
         report_changes(Checkpoint.read(path).config, config, states[0]["step"])
-        if len(states) == launch.world_size:
-            return states[launch.rank]
-        logger.warning(f"the checkpoint was saved by {len(states)} process(es), this run has {launch.world_size}: "
-                       "the masking random state starts afresh on every rank")
-        old = [s["data"] for s in states]
-        data = on_every_rank(lambda: app.data.repartition(old, launch.world_size, config.data))[launch.rank]
-        return {**states[0], "data": data, "generator": None}
+        return this_ranks_state(states, app, config, launch)
+
+
+def this_ranks_state(states: list[dict], app: App, config, launch: Launch, data_position: bool = True) -> dict:
+    """This rank's train state from those a checkpoint's ranks saved; their data position re-partitioned when
+    another number of processes saved them, or dropped (`data_position` false: the loader starts afresh)."""
+    if len(states) == launch.world_size:
+        return states[launch.rank] if data_position else {**states[launch.rank], "data": None}
+    logger.warning(f"the checkpoint was saved by {len(states)} process(es), this run has {launch.world_size}: "
+                   "the masking random state starts afresh on every rank")
+    old = [s["data"] for s in states]
+    data = on_every_rank(lambda: app.data.repartition(old, launch.world_size, config.data))[launch.rank] \
+        if data_position else None
+    return {**states[0], "data": data, "generator": None}
+
+
+def continue_run(start: Start, model, optimizer, app: App, config, launch: Launch) -> dict:
+    """This rank's train state for a new run continuing from `start.continued`, its weights and optimizer state
+    loaded into `model` and `optimizer`: step, token count, data position and masking generator carried over (not
+    the parent's best record: its best.pt is the parent's). Another app, or a model the checkpoint cannot grow into
+    (any architecture change but `GROWABLE`'s), is refused in one line before anything is read; the data position
+    starts afresh, in one line, when the data settings it depends on changed."""
+    parent = start.continued
+    where = f"continue_from {parent.path}"
+    if parent.app_name != app.name:
+        raise UserError(f"{where} is a run of {parent.app_name}, not {app.name}")
+    changed = [change for change in architecture_changes(parent.config, config)
+               if change.split()[0].rsplit(".", 1)[-1] not in GROWABLE]
+    mismatched = parent.mismatches(model)
+    if changed or mismatched:
+        difference = ", ".join(changed) or f"tensor {mismatched[0]}"
+        raise UserError(f"{where} holds a model this one cannot grow from ({difference}): a continued run may change "
+                        f"only the model's {' and '.join(GROWABLE)}")
+    states, failure = [], None
+    try:
+        states = parent.load_training(model, optimizer)
+    except DamagedCheckpoint as e:
+        failure = f"{where} is damaged: {e}"
+    except OSError as e:
+        failure = f"cannot read {where}: {_unread(e)}"
+    fail_together(failure)
+    step = states[0]["step"]
+    if step >= config.steps:
+        raise UserError(f"{where} is at step {step}: this run's steps ({config.steps}) must be more")
+    logger.info(f"continuing from {parent.path} at step {step} ({config.phase}); the parent run is only read")
+    report_changes(parent.config, config, step, "continuing")
+    moved = data_position_changes(parent.config["data"], to_dict(config.data))
+    if moved:
+        logger.warning(f"the data position starts afresh: {', '.join(moved)} changed")
+    state = this_ranks_state(states, app, config, launch, not moved)
+    counted = state.get("compute") and {"data_tokens": state["data_tokens"], **state["compute"]}  # None: saved before
+    # the library counted compute in checkpoints; the parent's tokens are then counted at this run's FLOPs per token
+    return {**state, "best": None, "evaluation_skipped": False, "phase_start": counted or None}
+
+
+def data_position_changes(old: dict, new: dict) -> list[str]:
+    """The data settings (`data.` keys) a saved data position depends on that differ: all but `KEEP_DATA_POSITION`'s,
+    and the sources' names (their weights may change)."""
+    changes = [f"data.{key}" for key in sorted(old.keys() | new.keys())
+               if key not in KEEP_DATA_POSITION and old.get(key) != new.get(key)]
+    renamed = sorted(old.get("sources", {})) != sorted(new.get("sources", {}))
+    return changes + (["data.sources' names"] if renamed else [])
 
 
 def _pick_checkpoint(run: RunFolder, checkpoints: CheckpointManager, model, app: App, config) \
@@ -185,12 +262,13 @@ def _set_aside(checkpoints: CheckpointManager, path: Path, error: DamagedCheckpo
     logger.warning(f"checkpoint {path.name} is damaged ({error}): set aside as {aside.name}; trying the one before it")
 
 
-def report_changes(old_config: dict, config, step: int) -> None:
+def report_changes(old_config: dict, config, step: int, doing: str = "resuming") -> None:
     changes = config_changes(old_config, to_dict(config))
     if changes:
         listed = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changes.items())
-        logger.warning(f"resuming with changed settings: {listed}")
+        logger.warning(f"{doing} with changed settings: {listed}")
     if "steps" in changes and step < config.steps:
         logger.warning(f"the learning-rate schedule is now that of a {config.steps}-step run: step {step + 1} uses lr "
-                       f"{lr_at(step, config.optim, config.steps):.3g} (warm-up {config.optim.warmup} steps, cosine to "
+                       f"{lr_at(step, config.optim, config.steps):.3g} (warm-up {config.optim.warmup} steps, "
+                       f"{config.optim.decay} decay from step {config.optim.decay_window(config.steps)[0] + 1} to "
                        f"{config.optim.lr_min:g} at step {config.steps})")
