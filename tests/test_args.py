@@ -92,6 +92,7 @@ COMMANDS = {  # each command, and what its help must say beside `python -m`
     "apps.crossbert.inspect": "", "tools.eval.mteb": "benchmark: str = 'MTEB(eng, v2)'", "lingua.export": "pooling",
     "apps.finetune.train": "epochs: int = 3", "tools.finetune.sweep": "mnli_from: str",
     "tools.finetune.table": "median", "tools.data_benchmark": "shards: str = '30,30000'",
+    "tools.compare": "metrics: str",
 }
 
 

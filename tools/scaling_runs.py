@@ -6,6 +6,7 @@ them. tools.scaling's fit and table and tools.scaling_plots all read runs throug
 import contextlib
 import glob
 import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,9 @@ def read_run(dump_dir: Path) -> dict[str, Any]:
         "dir": dump_dir, "app": _app_of(dump_dir), "lr": config["optim"]["lr"],
         "bsz": round(last["data_tokens"] / last["step"] * views_per_token),  # views per token: 1 or 2 (CMS)
         "size": f"{encoder['dim']}x{encoder['n_layers']}", "compute": last["compute_flops"],
+        "compute_with_heads": last.get("compute_flops_with_head"), "steps": last["step"],
+        "data_tokens": last["data_tokens"],
+        "token_views_per_s": statistics.median(r["token_views_per_s"] for r in train[1:] or train),  # all ranks
         "val_curve": [(r["step"] * flops_per_step, r["val/loss"]) for r in val],
         "source_curves": source_curves(val, flops_per_step),
         "final_val_loss": val[-1]["val/loss"] if val else None,
