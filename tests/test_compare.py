@@ -63,10 +63,11 @@ def test_compare_shows_the_metrics_named_and_one_column_of_losses_for_masked_lm_
     assert not any("not comparable" in line for line in lines)
 
 
-def test_a_folder_that_is_not_a_run_is_one_line(three_runs, tmp_path, capsys):
+def test_a_folder_that_is_not_a_run_or_an_unknown_metric_is_one_line(three_runs, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     errors = []
-    for folders in ([three_runs[0], str(tmp_path / "empty")], [str(tmp_path / "missing")], []):
+    for folders in ([three_runs[0], str(tmp_path / "empty")], [str(tmp_path / "missing")], [],
+                    [three_runs[0], "metrics=glue/avg/linear,val/loss"]):
         with pytest.raises(SystemExit) as exit:
             compare.main(folders)
         errors.append(capsys.readouterr().err)
@@ -74,3 +75,4 @@ def test_a_folder_that_is_not_a_run_is_one_line(three_runs, tmp_path, capsys):
     assert errors[:2] == [f"error: {tmp_path / name} is not a run (no metrics.jsonl in it)\n"
                           for name in ("empty", "missing")]
     assert errors[2].startswith("error: name the runs to compare")
+    assert errors[3] == "error: config key 'metrics' 'val/loss' is neither glue/TASK/PROBE nor mteb/BENCHMARK/TYPE\n"

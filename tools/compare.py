@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lingua.args import command_line, load_config
-from lingua.errors import UserError
+from lingua.errors import UserError, require
 from lingua.files.safe import atomic_write
 from lingua.run_folder import RunFolder
 from tools.scaling_runs import read_run
@@ -33,10 +33,20 @@ MASKED_LM_APPS = ("bert", "crossbert")  # their val/loss: the cross-entropy of t
 OBJECTIVES = {"electra": "generator MLM + rtd_weight x RTD"}  # what another app's val/loss is
 
 
+def named_metrics(spec: str) -> list[str]:
+    """The comma-separated names of `spec`, commas inside a benchmark's parentheses kept."""
+    return [name.strip() for name in re.split(r",(?![^()]*\))", spec) if name.strip()]
+
+
 @dataclass
 class CompareArgs:
     plot: str = ""  # a PNG: each run's validation loss against its compute
     metrics: str = ""  # comma-separated glue/TASK/PROBE and mteb/BENCHMARK/TYPE (default: every average any run has)
+
+    def __post_init__(self):
+        for name in named_metrics(self.metrics):
+            require(re.fullmatch(r"glue/[^/]+/[^/]+|mteb/.+/[^/]+", name) is not None, "metrics",
+                    f"'{name}' is neither glue/TASK/PROBE nor mteb/BENCHMARK/TYPE")
 
 
 def loss_kind(app: str) -> str:
@@ -66,9 +76,9 @@ def scores(run: dict[str, Any]) -> dict[str, float]:
 
 
 def metric_names(spec: str, runs: list[dict[str, Any]]) -> list[str]:
-    """The metrics named (commas inside a benchmark's parentheses kept), or every average any run has."""
+    """The metrics named, or every average any run has."""
     if spec:
-        return [name.strip() for name in re.split(r",(?![^()]*\))", spec) if name.strip()]
+        return named_metrics(spec)
     return sorted({key for run in runs for key in scores(run)
                    if re.fullmatch(r"glue/avg/\w+|mteb/.+/Avg\.", key)})
 
