@@ -119,18 +119,24 @@ def plot(runs: list[dict[str, Any]], out: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     kinds = list(dict.fromkeys(loss_kind(run["app"]) for run in runs if run["val_curve"]))
     if not kinds:
         raise UserError("plot: none of the runs has logged a validation loss yet")
     fig, axes = plt.subplots(1, len(kinds), figsize=(7 * len(kinds), 5), squeeze=False)
     colors = plt.get_cmap("tab10").colors
+    names = [Path(run["label"]).name for run in runs]
+    short = len(set(names)) == len(names)  # the folders' names, unless two runs share one
     for ax, kind in zip(axes[0], kinds):
         for i, run in enumerate(runs):
             if run["val_curve"] and loss_kind(run["app"]) == kind:
-                ax.plot(*zip(*run["val_curve"]), marker="o", markersize=4, linewidth=2,
-                        color=colors[i % len(colors)], label=f"{run['label']} ({run['app']})")
+                ax.plot(*zip(*run["val_curve"]), marker="o", markersize=4, linewidth=2, color=colors[i % len(colors)],
+                        label=f"{names[i] if short else run['label']} ({run['app']})")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_locator(ticker.LogLocator(subs=(2, 5)))  # labelled, yet few enough not to overlap
+        for axis_ticks in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
+            axis_ticks(ticker.FuncFormatter(lambda x, _: f"{x:.0e}".replace("e+", "e")))
         ax.set_xlabel("compute C (FLOPs, eq. 6-8, heads left out)", fontsize=11)
         ax.set_ylabel("validation loss", fontsize=11)
         ax.set_title(f"validation loss, {kind}", fontsize=12)
