@@ -93,6 +93,7 @@ COMMANDS = {  # each command, and what its help must say beside `python -m`
     "apps.finetune.train": "epochs: int = 3", "tools.finetune.sweep": "mnli_from: str",
     "tools.finetune.table": "median", "tools.data_benchmark": "shards: str = '30,30000'",
     "tools.sample_efficiency": "task: str = 'avg'",
+    "tools.compare": "metrics: str",
 }
 
 

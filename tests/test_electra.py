@@ -77,7 +77,10 @@ def test_single_scale_config_matches_table_3():
     assert count_params(model) / 1e6 == pytest.approx(258, rel=0.005)  # Table 3 (RoBERTa's vocabulary)
     tokens = cfg.steps * cfg.data.batch_size * 8 * cfg.data.seq_len  # 8 GPUs
     assert tokens == pytest.approx(50e9, rel=0.001)
-    assert model.flops_per_token_view(cfg.data.seq_len) * tokens == pytest.approx(7.5e19, rel=0.01)
+    flops = model.flops_per_token_view(cfg.data.seq_len) * tokens  # eq. 7 for both networks, heads left out
+    assert flops == pytest.approx(7.31e19, rel=0.001)
+    heads = model.head_flops_per_token_view(cfg.data.seq_len) * tokens
+    assert flops + heads == pytest.approx(7.5e19, rel=0.01)  # Table 3's, which counts the generator's head
 
 
 def test_debug_run_loss_falls_and_resumes_exactly_after_a_kill(corpus, tmp_path):

@@ -72,4 +72,6 @@ def test_electras_1b_config_is_berts_model_7_with_a_4_block_generator():
     tokens = electra.steps * electra.data.batch_size * electra.grad_acc_steps * 40 * electra.data.seq_len
     assert tokens == pytest.approx(141.70e9, rel=0.001)  # BERT's Appendix J model 7, on 40 GPUs
     assert count_params(model) / 1e6 == pytest.approx(1344.7, abs=0.1)
-    assert model.flops_per_token_view(electra.data.seq_len) * tokens == pytest.approx(1.14e21, rel=0.005)
+    flops, heads = (count(electra.data.seq_len) * tokens for count in (model.flops_per_token_view,
+                                                                       model.head_flops_per_token_view))
+    assert flops == pytest.approx(1.126e21, rel=0.001) and flops + heads == pytest.approx(1.136e21, rel=0.001)

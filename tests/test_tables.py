@@ -4,9 +4,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+from lingua.app import load_app
+from lingua.args import load_config
 from lingua.eval.glue_data import TASKS
+from lingua.model.flops import count_params
 from tools import paper, tables
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +33,8 @@ def fake_pipeline(root, variants: dict, probes: dict | None = None, mteb: dict |
         run.mkdir(parents=True)
         (run / "train.log").write_text(f"10:00:00 I apps.bert.train: {1_000_000 * (i + 1):,} parameters (...) on "
                                        f"{world} process(es) (torchrun, cuda)\n")
-        records = [{"step": s, "loss": 5.0, "compute_flops": 2e15 * s, "data_tokens_per_s": 7.0,
+        records = [{"step": s, "loss": 5.0, "compute_flops": 2e15 * s, "compute_flops_with_head": 3e15 * s,
+                    "data_tokens_per_s": 7.0,
                     "token_views_per_s": 1000.0 * (i + 1) * world} for s in (10, 20, 30)]
         (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)))
         if probes:
@@ -60,17 +65,17 @@ def test_table3_puts_the_papers_rows_beside_ours_with_our_runs_cost(tmp_path, ca
                            mteb={"crossbert": {"mteb_v1_frozen": ("MTEB(eng, v1)", summary)}})
     lines = render(capsys, "3", folder)
     linear = lines.index("**GLUE, linear probe on frozen features**")
-    assert lines[linear + 2] == ("| Model | Params | FLOPs | tps | MNLI | QNLI | QQP | RTE | SST2 | MRPC | CoLA | STSB "
-                                 "| Avg. |")
-    assert lines[linear + 4] == "| BERT | 1.0M | 6.0e16 | 1.0k | " + " | ".join(
+    assert lines[linear + 2] == ("| Model | Params | FLOPs eq. 7-8 | FLOPs, all heads | tps | MNLI | QNLI | QQP | RTE "
+                                 "| SST2 | MRPC | CoLA | STSB | Avg. |")
+    assert lines[linear + 4] == "| BERT | 1.0M | 6.0e16 | 9.0e16 | 1.0k | " + " | ".join(
         f"{50.0 + i:.1f}" for i in range(8)) + " | 53.5 |"
-    assert lines[linear + 7] == "| *CrossBERT, paper* | 279M | 4.1e19 | 207k | " + " | ".join(
+    assert lines[linear + 7] == "| *CrossBERT, paper* | 279M | 4.1e19 | – | 207k | " + " | ".join(
         f"{v:.1f}" for v in paper.GLUE_LINEAR["crossbert"]) + " |"
     frozen = next(i for i, line in enumerate(lines) if line.startswith("**MTEB(eng, v1), contrastive fine-tuning, "
                                                                        "over frozen features"))
-    assert lines[frozen + 4] == "| BERT | 1.0M | 6.0e16 | 1.0k | " + " | ".join(["–"] * 9) + " |"  # not run
-    assert lines[frozen + 5].startswith("| CrossBERT | 2.0M | 6.0e16 | 2.0k | 40.0 | ")
-    assert lines[frozen + 7] == "| *CrossBERT, paper* | 279M | 4.1e19 | 207k | " + " | ".join(
+    assert lines[frozen + 4] == "| BERT | 1.0M | 6.0e16 | 9.0e16 | 1.0k | " + " | ".join(["–"] * 9) + " |"  # not run
+    assert lines[frozen + 5].startswith("| CrossBERT | 2.0M | 6.0e16 | 9.0e16 | 2.0k | 40.0 | ")
+    assert lines[frozen + 7] == "| *CrossBERT, paper* | 279M | 4.1e19 | – | 207k | " + " | ".join(
         f"{v:.1f}" for v in paper.MTEB[("MTEB(eng, v1)", "frozen")]["crossbert"]) + " |"
     ours = lines[:lines.index("## The literature in the paper's Table 3")]
     assert not any("fine-tuning (dev" in line for line in ours)  # no fine-tuning run: no section of ours
@@ -80,7 +85,7 @@ def test_table3_ends_with_the_literature_in_its_own_section_as_the_paper_prints_
     folder = fake_pipeline(tmp_path / "p", {"bert": {"app": "bert"}}, probes={"bert": {"rte": 60.0}})
     lines = render(capsys, "3", folder)
     section = lines.index("## The literature in the paper's Table 3")
-    assert section > lines.index("| *BERT, paper* | 239M | 6.8e19 | 123k | 59.9 | 59.9 |")  # after ours and the paper's
+    assert section > lines.index("| *BERT, paper* | 239M | – | 6.8e19 | 123k | 59.9 | 59.9 |")  # after ours and theirs
     literature = lines[section:]
     finetune, probe = (literature.index(f"**GLUE, {block}**") for block in ("full fine-tuning (dev)",
                                                                              "linear probe on frozen features"))
@@ -157,8 +162,9 @@ def test_the_papers_mteb_rows_add_up_within_rounding_but_where_a_note_says_not()
 def test_fewer_glue_tasks_are_averaged_alike_on_both_sides_and_said_so(tmp_path, capsys):
     folder = fake_pipeline(tmp_path / "p", {"bert": {"app": "bert"}}, probes={"bert": {"rte": 60.0, "stsb": 80.0}})
     lines = render(capsys, "3", folder)
-    assert "| Model | Params | FLOPs | tps | RTE | STSB | Avg. (2 of 8 tasks) |" in lines
-    assert "| *BERT, paper* | 239M | 6.8e19 | 123k | 59.9 | 79.5 | 69.7 |" in lines  # (59.9 + 79.5) / 2
+    assert "| Model | Params | FLOPs eq. 7-8 | FLOPs, all heads | tps | RTE | STSB | Avg. (2 of 8 tasks) |" \
+        in lines
+    assert "| *BERT, paper* | 239M | – | 6.8e19 | 123k | 59.9 | 79.5 | 69.7 |" in lines  # (59.9 + 79.5) / 2
     assert ("Metrics (dev, in %): RTE accuracy; STSB Spearman correlation. The paper's rows: its numbers on these 2 "
             "tasks, averaged here as ours (its own average is over all 8).") in lines
 
@@ -166,10 +172,10 @@ def test_fewer_glue_tasks_are_averaged_alike_on_both_sides_and_said_so(tmp_path,
 def test_tps_is_per_gpu_in_token_views_as_the_papers(tmp_path, capsys):
     folder = fake_pipeline(tmp_path / "p", {"bert": {"app": "bert"}}, probes={"bert": {"rte": 60.0}}, world=8)
     lines = render(capsys, "3", folder)
-    assert any(line.startswith("| BERT | 1.0M | 6.0e16 | 1.0k | 60.0 |") for line in lines)  # 8000 views/s over 8
+    assert any(line.startswith("| BERT | 1.0M | 6.0e16 | 9.0e16 | 1.0k | 60.0 |") for line in lines)  # 8000/s over 8
     assert any("tps, as the paper's: training token-views per second per GPU" in line for line in lines)
     (folder / "bert" / "pretrain" / "train.log").write_text("no process count\n")
-    assert any(line.startswith("| BERT | – | 6.0e16 | – | 60.0 |") for line in render(capsys, "3", folder))
+    assert any(line.startswith("| BERT | – | 6.0e16 | 9.0e16 | – | 60.0 |") for line in render(capsys, "3", folder))
 
 
 @pytest.mark.parametrize("tasks", [
@@ -197,7 +203,7 @@ def test_a_whole_mteb_benchmark_sits_beside_the_papers_and_names_its_metrics(tmp
                            mteb={"crossbert": {"mteb_v2_full": ("MTEB(eng, v2)", summary)}})
     lines = render(capsys, "3", folder)
     title = lines.index("**MTEB(eng, v2), contrastive fine-tuning, whole model**")
-    assert lines[title + 5] == "| *CrossBERT, paper* | 279M | 4.1e19 | 207k | " + " | ".join(
+    assert lines[title + 5] == "| *CrossBERT, paper* | 279M | 4.1e19 | – | 207k | " + " | ".join(
         f"{v:.1f}" for v in paper.MTEB[("MTEB(eng, v2)", "full")]["crossbert"]) + " |"
     assert lines[title + 7].startswith("Metrics (in %): each task's main score in mteb (Class. accuracy; ")
     assert "Retriev. ndcg_at_10; STS cosine_spearman" in lines[title + 7]
@@ -293,9 +299,9 @@ def test_table9_prints_the_1b_models_alone_with_their_init_std(tmp_path, capsys)
     folder = fake_pipeline(tmp_path / "p", {app: {"app": app, "init_std": "0.015"} for app in apps},
                            probes={app: {"rte": 60.0, "cola": 20.0} for app in apps})
     lines = render(capsys, "9", folder)
-    assert "| Model | Params | FLOPs | tps | Init std | RTE | CoLA | Avg. (2 of 8 tasks) |" in lines
-    assert "| BERT | 1.0M | 6.0e16 | 1.0k | 0.015 | 60.0 | 20.0 | 40.0 |" in lines
-    assert "| Electra | 2.0M | 6.0e16 | 2.0k | 0.015 | 60.0 | 20.0 | 40.0 |" in lines
+    assert "| Model | Params | FLOPs eq. 7-8 | FLOPs, all heads | tps | Init std | RTE | CoLA | Avg. (2 of 8 tasks) |" \
+        in lines
+    assert "| Electra | 2.0M | 6.0e16 | 9.0e16 | 2.0k | 0.015 | 60.0 | 20.0 | 40.0 |" in lines
     assert not any("paper" in line and line.startswith("|") for line in lines)  # the paper's table is empty
 
 
@@ -312,7 +318,7 @@ def test_the_miniatures_printout_has_per_gpu_tps_named_metrics_and_the_literatur
     lines = render(capsys, "3", folder)
     assert "CrossBERT's tps over BERT's: ours 2.00x (2.0k vs 1.0k); the paper (section 5.2) 1.68x (207k vs 123k " \
            "tokens/s on H100s)." in lines
-    assert "| CrossBERT | 2.0M | 6.0e16 | 2.0k | 50.0 | 50.0 | 50.0 | 50.0 | 50.0 | 50.0 |" in lines  # views/s, 1 GPU
+    assert "| CrossBERT | 2.0M | 6.0e16 | 9.0e16 | 2.0k | 50.0 | 50.0 | 50.0 | 50.0 | 50.0 | 50.0 |" in lines  # 1 GPU
     assert any("tps, as the paper's: training token-views per second per GPU" in line for line in lines)
     assert sum(line.startswith("Metrics (dev, in %): RTE, SST2 and MRPC accuracy; CoLA Matthews correlation; STSB "
                                "Spearman correlation.") for line in lines) == 1  # the linear probe
@@ -340,3 +346,39 @@ def test_the_papers_prose_numbers_agree_with_its_tables():
     gains = [warm - cold for warm, cold in zip(paper.WARM_START["warm"][-2:], paper.WARM_START["cold"][-2:])]
     assert gains[0] < paper.PROSE["warm_start_gain"] < gains[1]
     assert paper.PROSE["adaptation_gap"] == {"bert": 15, "crossbert": 1} and paper.PROSE["cms_data_ratio"] == 2
+# Table 3's runs recounted (single_scale.yaml, 8 GPUs, RoBERTa's vocabulary): params in M; FLOPs by eq. 7-8 and with
+# every head, as tools/paper.yaml's notes print them
+RECOUNT = {"bert": (236.8, 6.61e19, 6.84e19), "crossbert": (279.3, 4.01e19, 4.59e19),
+           "electra": (258.1, 7.31e19, 7.49e19)}
+
+
+@pytest.mark.parametrize("app", RECOUNT)
+def test_every_app_counts_flops_alike_and_the_notes_state_the_recount(app):
+    config = load_config(load_app(app).args_cls, [f"config={REPO}/apps/{app}/configs/single_scale.yaml"])
+    with torch.device("meta"):
+        model = load_app(app).build_model(config.model, type("Tok", (), {"vocab_size": 50265, "mask_id": 50264})())
+    seq_len = config.data.seq_len
+    token_views = config.steps * config.data.batch_size * 8 * seq_len * model.views_per_sequence
+    eq_7_8 = model.flops_per_token_view(seq_len) * token_views
+    all_heads = eq_7_8 + model.head_flops_per_token_view(seq_len) * token_views
+    params, *flops = RECOUNT[app]
+    assert (round(count_params(model) / 1e6, 1), f"{eq_7_8:.2e}", f"{all_heads:.2e}") == (
+        params, *(f"{f:.2e}" for f in flops))
+    note = paper.NOTES["single_scale"][app]
+    assert all(f"{f:.2e}".replace("e+", "e") in note for f in flops)
+    published = float(paper.SINGLE_SCALE[app][1])  # in the column of the count nearer to it
+    nearer = min(tables.FLOPS_COLUMNS, key=lambda column: abs(flops[tables.FLOPS_COLUMNS.index(column)] - published))
+    assert paper.SINGLE_SCALE_FLOPS[app] == nearer
+    if app == "bert":  # the paper's 239M: 2.2M more than this count, which the note says
+        assert "236.8M" in note and "2.2M" in note and float(paper.SINGLE_SCALE[app][0][:-1]) - params == \
+            pytest.approx(2.2)
+
+
+def test_table3_notes_the_papers_flops_and_berts_size_under_the_table(tmp_path, capsys):
+    folder = fake_pipeline(tmp_path / "p", {"bert": {"app": "bert"}, "electra": {"app": "electra"}},
+                           probes={"bert": {"rte": 60.0}, "electra": {"rte": 61.0}})
+    lines = render(capsys, "3", folder)
+    assert "| *Electra, paper* | 258M | – | 7.5e19 | 116k | 66.8 | 66.8 |" in lines
+    notes = lines.index("**The paper's FLOPs and parameters, recounted**")
+    assert notes < lines.index("## The literature in the paper's Table 3")
+    assert [lines.count(paper.NOTES["single_scale"][app]) for app in RECOUNT] == [1, 0, 1]  # the apps shown

@@ -10,6 +10,7 @@ _NUMBERS = untrusted.read_yaml(Path(__file__).parent / "paper.yaml", "paper numb
 
 NAMES: dict[str, str] = _NUMBERS["names"]  # app -> the paper's name of its model (bert -> BERT)
 SINGLE_SCALE: dict[str, list[str]] = _NUMBERS["single_scale"]  # Table 3: parameters, FLOPs, tokens/s
+SINGLE_SCALE_FLOPS: dict[str, str] = _NUMBERS["single_scale_flops"]  # app -> eq_7_8 | all_heads
 GLUE_FINETUNE: dict[str, list[float]] = _NUMBERS["glue_finetune"]
 GLUE_LINEAR: dict[str, list[float]] = _NUMBERS["glue_linear"]
 MTEB: dict[tuple[str, str], dict[str, list[float]]] = {  # (benchmark, "full" | "frozen"): {app: scores}

@@ -20,8 +20,9 @@ from tools.finetune.table import choose, read_results
 
 
 def pretraining(run: Path) -> dict | None:
-    """Parameters, FLOPs and token-views/s per process (GPU) of a pre-training run, or None before it has logged a
-    step. The processes are those of its latest start (train.log: "on N process(es)"); tps is None without it."""
+    """Parameters, FLOPs (eq. 7-8, and with every head) and token-views/s per process (GPU) of a pre-training run,
+    or None before it has logged a step. The processes are those of its latest start (train.log: "on N
+    process(es)"); tps is None without it."""
     records = [r for r in read_metrics(RunFolder(run).metrics) if "loss" in r] if run.is_dir() else []
     if not records:
         return None
@@ -30,7 +31,7 @@ def pretraining(run: Path) -> dict | None:
     worlds = re.findall(r" on (\d+) process\(es\)", log)
     views_per_s = statistics.median(r["token_views_per_s"] for r in records[1:] or records)  # over all processes
     return {"params": int(found.group(1).replace(",", "")) if found else None,
-            "flops": records[-1]["compute_flops"],
+            "flops": records[-1]["compute_flops"], "flops_with_heads": records[-1].get("compute_flops_with_head"),
             "tps": views_per_s / int(worlds[-1]) if worlds else None}
 
 

@@ -73,6 +73,9 @@ def read_run(dump_dir: Path) -> dict[str, Any]:
         "bsz": round(last["data_tokens"] / last["step"] * views_per_token),  # views per token: 1 or 2 (CMS)
         "views_per_token": round(views_per_token), "data_tokens_per_flop": last["data_tokens"] / last["compute_flops"],
         "size": f"{encoder['dim']}x{encoder['n_layers']}", "compute": last["compute_flops"],
+        "compute_with_heads": last.get("compute_flops_with_head"),
+        "data_tokens": last["data_tokens"],
+        "token_views_per_s": statistics.median(r["token_views_per_s"] for r in train[1:] or train),  # all ranks
         "val_curve": [(r["step"] * flops_per_step, r["val/loss"]) for r in val],
         "source_curves": source_curves(val, flops_per_step),
         "final_val_loss": val[-1]["val/loss"] if val else None,

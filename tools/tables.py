@@ -133,12 +133,15 @@ def mteb_section(title: str, ours: list[tuple[str, list[str], dict]], theirs: li
     return [f"**{title}**", ""] + _markdown(header, rows) + footnotes(metrics, notes)
 
 
+def _flops(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1e}".replace("e+", "e")
+
+
 def _meta(variant: Variant) -> list[str]:
     run = variant.pretrain or {}
     params = f"{run['params'] / 1e6:.1f}M" if run.get("params") else "–"
-    flops = f"{run['flops']:.1e}".replace("e+", "e") if run else "–"
     tps = f"{run['tps'] / 1e3:.1f}k" if run.get("tps") else "–"
-    return [params, flops, tps]
+    return [params, _flops(run.get("flops")), _flops(run.get("flops_with_heads")), tps]
 
 
 def table1(variants: list[Variant]) -> list[str]:
@@ -156,18 +159,29 @@ def table1(variants: list[Variant]) -> list[str]:
     return lines
 
 
-META = ["Params", "FLOPs", "tps"]
+META = ["Params", "FLOPs eq. 7-8", "FLOPs, all heads", "tps"]
+FLOPS_COLUMNS = ("eq_7_8", "all_heads")  # tools/paper.yaml's names of the two FLOPs columns, in META's order
+LITERATURE_META = ["Params", "FLOPs", "tps"]  # as the paper prints other models' sizes, their counting unknown
+
+
+def paper_meta(app: str) -> list[str]:
+    """The paper's Params, FLOPs and tps of an app's model in Table 3's columns: its FLOPs in the column of the
+    convention they match (tools/paper.yaml, single_scale_flops), the other one empty."""
+    params, flops, tps = paper.SINGLE_SCALE[app]
+    return [params, *(flops if column == paper.SINGLE_SCALE_FLOPS[app] else "–" for column in FLOPS_COLUMNS), tps]
 
 
 def table3(variants: list[Variant]) -> list[str]:
     apps = [v.keys.get("app") for v in variants if v.keys.get("app") in paper.SINGLE_SCALE]
 
     def published(numbers: dict) -> list:
-        return [(f"{paper.NAMES[app]}, paper", list(paper.SINGLE_SCALE[app]), numbers[app]) for app in apps
-                if app in numbers]
+        return [(f"{paper.NAMES[app]}, paper", paper_meta(app), numbers[app]) for app in apps if app in numbers]
 
-    lines = ["# Table 3", "", "Ours: this pipeline's runs; *italic*: the paper's. FLOPs in the paper's counting "
-             "(eq. 6-8); tps, as the paper's: training token-views per second per GPU (the median over the "
+    lines = ["# Table 3", "", "Ours: this pipeline's runs; *italic*: the paper's. FLOPs (eq. 6): eq. 7-8 as the paper "
+             "defines them, every app's output heads left out (the logs' `compute_flops`), and with every head (BERT's "
+             "and CrossBERT's tied head on the tokens they predict, ELECTRA's generator head and RTD head: "
+             "`compute_flops_with_head`); the paper's number stands in the column it matches (notes below the "
+             "table). tps, as the paper's: training token-views per second per GPU (the median over the "
              "pre-training run's log lines, divided by its processes; CrossBERT with CMS sees each sequence twice).",
              ""] + speedup(variants)
     lines += glue_section("GLUE, full fine-tuning (dev; median over seeds at the learning rate chosen on dev)",
@@ -186,7 +200,10 @@ def table3(variants: list[Variant]) -> list[str]:
                               [(v.model, _meta(v), v.mteb_runs.get((benchmark, protocol), {})) for v in variants],
                               published(numbers), META, whole_benchmark(benchmark),
                               [notes[app] for app in apps if app in numbers and app in notes])
-    return lines + literature()
+    counted = [paper.NOTES["single_scale"][app] for app in dict.fromkeys(apps)]
+    return lines + (["**The paper's FLOPs and parameters, recounted**"] + footnotes(
+        "Recounted from the paper's shapes and 50B tokens with this code's counts (Params with RoBERTa's "
+        "vocabulary of 50,265).", counted) if counted else []) + literature()
 
 
 def speedup(variants: list[Variant]) -> list[str]:
@@ -210,11 +227,12 @@ def literature() -> list[str]:
     for title, block in (("GLUE, full fine-tuning (dev)", "glue_finetune"),
                          ("GLUE, linear probe on frozen features", "glue_linear")):
         rows = [[name, *shape[name], "–", *map(_cell, scores)] for name, scores in paper.LITERATURE[block].items()]
-        lines += [f"**{title}**", ""] + _markdown(["Model", *META, *(t.title for t in TASKS.values()), "Avg."], rows)
+        lines += [f"**{title}**", ""] + _markdown(["Model", *LITERATURE_META, *(t.title for t in TASKS.values()),
+                                                   "Avg."], rows)
         lines.append("")
     rows = [[name + marks[name], *shape[name], "–", *map(_cell, scores)]
             for name, scores in paper.LITERATURE["mteb_v1_full"].items()]
-    header = ["Model", *META, *(SHORT[c] for c in CATEGORIES), "Avg.", "Overall"]
+    header = ["Model", *LITERATURE_META, *(SHORT[c] for c in CATEGORIES), "Avg.", "Overall"]
     marked = " ".join(f"{mark}: {text}" for mark, text in paper.LITERATURE["mteb_v1_full_footnotes"].items())
     return lines + ["**MTEB(eng, v1), contrastive fine-tuning, whole model**", ""] + _markdown(header, rows) + [
         "", f"The paper's marks: {marked}", "", paper.NOTES["literature"]["mteb_v1_full"], ""]

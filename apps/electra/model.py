@@ -153,18 +153,17 @@ class Electra(AppModel):
         return batch["tokens"].numel()  # the discriminator labels every token
 
     def flops_per_token_view(self, seq_len: int) -> float:
-        """Eq. 7 for the discriminator and for the generator (both process every token), plus the generator's tied
-        output head on its masked positions, 6 d V r per token: a large share of a small generator's cost, and with
-        it the single-scale config gives Table 3's 7.5e19 FLOPs (eq. 7 leaves BERT's own head out, as the paper
-        does)."""
-        vocab = self.discriminator.tok_embeddings.num_embeddings
-        head = output_head_flops(self.args.encoder.dim, vocab) * self.args.mask_ratio
+        """Eq. 7 for the discriminator and for the generator (both process every token); their output heads are left
+        out, as eq. 7-8 leave BERT's and CrossBERT's out, so the three apps count alike."""
         return (encoder_flops_per_token(self.args.encoder, seq_len)
-                + encoder_flops_per_token(self.args.generator_transformer(), seq_len) + head)
+                + encoder_flops_per_token(self.args.generator_transformer(), seq_len))
 
     def head_flops_per_token_view(self, seq_len: int) -> float:
-        """The RTD head on every token (the generator's head is already in `flops_per_token_view`)."""
-        return output_head_flops(self.args.encoder.dim, 1)
+        """The generator's tied output head on its masked share of the tokens (6 d V r per token: a large share of a
+        small generator's cost) and the RTD head on every token; with them the single-scale config gives Table 3's
+        7.5e19 FLOPs."""
+        dim, vocab = self.args.encoder.dim, self.discriminator.tok_embeddings.num_embeddings
+        return output_head_flops(dim, vocab) * self.args.mask_ratio + output_head_flops(dim, 1)
 
     def hardware_flops_per_token_view(self, seq_len: int) -> float:
         """Generator and discriminator on every token over the whole row, the generator's tied head on its masked
