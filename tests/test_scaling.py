@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import yaml
 
+from lingua.errors import UserError
 from lingua.model.scaling import PowerLaw, best_per_group, fit_power_law
 from tools import scaling, scaling_plots, scaling_runs
 
@@ -460,6 +461,20 @@ def test_sample_efficiency_prints_the_data_each_run_needs_for_the_same_score(tmp
     with pytest.raises(SystemExit) as exit_:
         sample_efficiency.main([f"runs={tmp_path}/appendix_b/cms_on/pretrain"])
     assert exit_.value.code == 2 and "one run without CMS and one with" in capsys.readouterr().err
+def test_curves_place_each_step_at_the_compute_the_loop_logged():
+    """A batch-size warm-up spends less compute on its first steps, and a continued run starts from its parent's
+    compute: a validation or probe record is placed at the logged compute of its step (between two logged steps,
+    linearly), not at the run's mean compute per step."""
+    train = [{"step": step, "compute_flops": flops} for step, flops in ((10, 10.0), (20, 30.0), (30, 70.0))]
+    fresh = scaling_runs.compute_by_step(train, 0)
+    assert [fresh(step) for step in (0, 5, 10, 15, 30, 35)] == [0.0, 5.0, 10.0, 20.0, 70.0, 90.0]
+    continued = scaling_runs.compute_by_step(train, None)  # the parents' compute is in the first record's
+    assert [continued(step) for step in (5, 10, 25)] == [0.0, 10.0, 50.0]
+    assert scaling_runs.continued_step("/runs/stable/checkpoints/0000000300") == 300
+    with pytest.raises(UserError, match="names no checkpoint of a run"):
+        scaling_runs.continued_step("/runs/stable")
+
+
 def test_a_family_of_decay_branches_reads_as_runs_at_their_budgets_beside_cosine_runs(tmp_path, capsys):
     """A stable WSD run with three branches (continue_from its checkpoints) and a cosine run per budget: the stable
     run is their parent, not a run; each branch's curve starts with the parent's; the loss command lays the two

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from lingua.app import short_name
 from lingua.checkpoint.store import Checkpoint
 from lingua.errors import UserError, require
@@ -20,7 +22,7 @@ from lingua.files import untrusted
 from lingua.jobs.launcher import read_job_record
 from lingua.metrics import read_metrics
 from lingua.model.scaling import best_per_group, fit_power_law
-from lingua.run_folder import METRICS, RunFolder
+from lingua.run_folder import CHECKPOINTS, METRICS, RunFolder
 from tools.eval.glue import read_summary
 from tools.eval.mteb import benchmark_of
 from tools.eval.mteb import read_results as read_mteb_results
@@ -66,24 +68,27 @@ def read_run(dump_dir: Path) -> dict[str, Any]:
     views_per_token = last["token_views_per_s"] / last["data_tokens_per_s"]
     encoder = config["model"]["encoder"]
     parent = config.get("continue_from")
+    start_step = continued_step(parent) if parent else 0
+    compute_at = compute_by_step(train, None if parent else 0)
     return {
         "dir": dump_dir, "app": _app_of(dump_dir), "lr": config["optim"]["lr"],
         "parent": RunFolder.of(parent).root.resolve() if parent else None, "schedule": schedule_of(config),
-        "steps": last["step"], "start_step": train[0]["step"] - 1, "flops_per_step": flops_per_step,
+        "steps": last["step"], "start_step": start_step, "flops_per_step": flops_per_step,
         "bsz": round(last["data_tokens"] / last["step"] * views_per_token),  # views per token: 1 or 2 (CMS)
         "views_per_token": round(views_per_token), "data_tokens_per_flop": last["data_tokens"] / last["compute_flops"],
         "size": f"{encoder['dim']}x{encoder['n_layers']}", "compute": last["compute_flops"],
         "compute_with_heads": last.get("compute_flops_with_head"),
         "data_tokens": last["data_tokens"],
         "token_views_per_s": statistics.median(r["token_views_per_s"] for r in train[1:] or train),  # all ranks
-        "val_curve": [(r["step"] * flops_per_step, r["val/loss"]) for r in val],
-        "source_curves": source_curves(val, flops_per_step),
+        "compute_at": compute_at,
+        "val_curve": [(compute_at(r["step"]), r["val/loss"]) for r in val],
+        "source_curves": source_curves(val, compute_at),
         "final_val_loss": val[-1]["val/loss"] if val else None,
         "probes": _probe_results(dump_dir),
         "finetune": _finetune_results(dump_dir),
         "mteb": _mteb_results(dump_dir, "frozen"),
         "mteb_full": _mteb_results(dump_dir, "full"),
-        "probe_curve": [(r["step"] * flops_per_step, r) for r in probed],
+        "probe_curve": [(compute_at(r["step"]), r) for r in probed],
     }
 
 
@@ -106,20 +111,49 @@ def read_runs(spec: str) -> list[dict[str, Any]]:
     for run in sorted(runs, key=lambda r: r["start_step"]):  # a parent starts before its branches: its curve is whole
         parent = by_folder.get(run["parent"])
         if parent is not None:
-            before = run["start_step"] * parent["flops_per_step"]
+            before = parent["compute_at"](run["start_step"])
             run["val_curve"] = [point for point in parent["val_curve"] if point[0] <= before] + run["val_curve"]
     parents = {run["parent"] for run in runs}
     return [run for run in runs if run["dir"].resolve() not in parents]
 
 
-def source_curves(val: list[dict], flops_per_step: float) -> dict[str, list[tuple[float, float]]]:
+def source_curves(val: list[dict], compute_at) -> dict[str, list[tuple[float, float]]]:
     """{source: [(compute, loss)]} of the validation records' per-source losses (val/loss/SOURCE)."""
     curves: dict[str, list[tuple[float, float]]] = {}
     for record in val:
         for key, loss in record.items():
             if key.startswith("val/loss/"):
-                curves.setdefault(key.removeprefix("val/loss/"), []).append((record["step"] * flops_per_step, loss))
+                curves.setdefault(key.removeprefix("val/loss/"), []).append((compute_at(record["step"]), loss))
     return curves
+
+
+def compute_by_step(train: list[dict], at_step_0: float | None):
+    """The compute spent by the end of a step, from the training records' `compute_flops` (exact at each logged
+    step, linear between two; at_step_0: the compute before the first step, None for a run continuing another,
+    whose first steps are then counted at its first records' rate): a batch-size warm-up or a continued run's
+    parents make it no fixed rate per step."""
+    points = ([(0, at_step_0)] if at_step_0 is not None else []) + [(r["step"], r["compute_flops"]) for r in train]
+    (first_step, first), (last_step, last) = points[0], points[-1]
+    first_rate = (points[1][1] - first) / (points[1][0] - first_step) if len(points) > 1 else first / first_step
+    last_rate = (last - points[-2][1]) / (last_step - points[-2][0]) if len(points) > 1 else last / last_step
+
+    def compute_at(step: float) -> float:
+        if step <= first_step:
+            return first - (first_step - step) * first_rate
+        if step >= last_step:
+            return last + (step - last_step) * last_rate
+        return float(np.interp(step, *zip(*points)))
+
+    return compute_at
+
+
+def continued_step(checkpoint: str) -> int:
+    """The step of the checkpoint a continued run's config names (continue_from records the exact checkpoint,
+    CHECKPOINTS/0000000300)."""
+    name = Path(checkpoint).name
+    if Path(checkpoint).parent.name != CHECKPOINTS or not name.isdigit():
+        raise UserError(f"continue_from {checkpoint} names no checkpoint of a run (RUN/{CHECKPOINTS}/STEP)")
+    return int(name)
 
 
 PROGRESS = re.compile(r"step (\d+)/\d+ \| loss (\S+)")
