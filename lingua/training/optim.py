@@ -56,7 +56,6 @@ class OptimArgs:
         require(self.implementation in IMPLEMENTATIONS, "implementation",
                 f"must be one of {', '.join(IMPLEMENTATIONS)}, got '{self.implementation}'")
 
-
     def decay_window(self, total_steps: int) -> tuple[int, int]:
         """(the step the decay starts at, its length in steps) in a run of `total_steps`."""
         if self.schedule == "warmup_decay":
