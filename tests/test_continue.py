@@ -113,6 +113,29 @@ def test_continue_from_refuses_weights_only_and_init_from(stable, tmp_path):
         run(tiny_argv(corpus, tmp_path / "b", steps=30) + [f"continue_from={parent}", f"init_from={parent}"])
 
 
+def test_continue_from_refuses_the_parents_own_folder_and_a_folder_holding_another_run(stable, tmp_path):
+    """Naming the parent's folder as the dump_dir would resume the parent and write into it; a folder holding another
+    run would resume that one: both refused in one line, the parent untouched."""
+    corpus, parent = stable
+    before = folder_digest(parent)
+    with pytest.raises(UserError, match="in this run's own folder"):
+        run(tiny_argv(corpus, parent, steps=26) + [*WSD, "optim.decay_steps=6",
+                                                    f"continue_from={parent}/checkpoints/0000000010"])
+    assert folder_digest(parent) == before
+    other = tmp_path / "other"
+    run(tiny_argv(corpus, other, steps=2) + WSD[1:])
+    with pytest.raises(UserError, match="holds a run of its own, not one continued from"):
+        run(tiny_argv(corpus, other, steps=16) + [f"continue_from={parent}"])
+
+
+def test_a_data_position_change_is_one_of_substance_not_of_spelling(tmp_path, monkeypatch):
+    from lingua.training.resume import data_position_changes
+
+    monkeypatch.chdir(tmp_path)
+    assert data_position_changes({"root_dir": "data", "seed": 1}, {"root_dir": str(tmp_path / "data"), "seed": 1}) == []
+    assert data_position_changes({"root_dir": "data"}, {"root_dir": "other"}) == ["data.root_dir"]
+
+
 def test_a_phase_with_another_mask_ratio_keeps_the_data_position(stable, tmp_path, capsys):
     corpus, parent = stable
     run(tiny_argv(corpus, tmp_path / "ratio", steps=22) + [f"continue_from={parent}", "model.mask_ratio=0.3"])

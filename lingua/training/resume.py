@@ -53,6 +53,8 @@ def open_start(app: App, config, run: RunFolder, world_size: int) -> Start:
     resumed run has its own weights: its init_from may be gone), and the data's facts; a UserError for a bad
     init_from or bad data, before anything is written."""
     resumed, init_from, continued = resumed_config(run), None, None
+    if config.continue_from:
+        _check_continued_folder(run, config.continue_from, resumed)
     if resumed is None:
         init_from = _open("init_from", config.init_from, app)
         continued = _open("continue_from", config.continue_from, app)
@@ -60,6 +62,21 @@ def open_start(app: App, config, run: RunFolder, world_size: int) -> Start:
         raise UserError(f"continue_from {continued.path} holds weights only: name a run or one of its checkpoint "
                         "folders (DUMP_DIR/checkpoints/N), which hold the optimizer state and the data position")
     return Start(run, init_from, resumed, world_size, app.data.check(config.data), continued)
+
+
+def _check_continued_folder(run: RunFolder, continue_from: str, resumed: dict | None) -> None:
+    """A continued run has a folder of its own: continue_from in it would resume the parent itself, writing into it
+    (and pruning its checkpoints); a folder holding another run (one not continued from that run) would resume that
+    run and never continue."""
+    parent = RunFolder.of(continue_from).root.resolve()
+    if parent == run.root.resolve():
+        raise UserError(f"continue_from {continue_from} is in this run's own folder: a continued run needs a dump_dir "
+                        "of its own (its parent is only read)")
+    recorded = (resumed or {}).get("continue_from")
+    if resumed is not None and (not recorded or RunFolder.of(recorded).root.resolve() != parent):
+        holds = f"a run continued from {recorded}" if recorded else "a run of its own"
+        raise UserError(f"dump_dir {run.root} holds {holds}, not one continued from {continue_from}: name a new "
+                        "dump_dir")
 
 
 def _open(key: str, path: str, app: App) -> Checkpoint | None:
@@ -182,8 +199,13 @@ def continue_run(start: Start, model, optimizer, app: App, config, launch: Launc
 def data_position_changes(old: dict, new: dict) -> list[str]:
     """The data settings (`data.` keys) a saved data position depends on that differ: all but `KEEP_DATA_POSITION`'s,
     and the sources' names (their weights may change)."""
+    def same(key: str) -> bool:  # the same folder however it is spelled (stool makes root_dir absolute)
+        if key == "root_dir" and old.get(key) and new.get(key):
+            return Path(old[key]).resolve() == Path(new[key]).resolve()
+        return old.get(key) == new.get(key)
+
     changes = [f"data.{key}" for key in sorted(old.keys() | new.keys())
-               if key not in KEEP_DATA_POSITION and old.get(key) != new.get(key)]
+               if key not in KEEP_DATA_POSITION and not same(key)]
     renamed = sorted(old.get("sources", {})) != sorted(new.get("sources", {}))
     return changes + (["data.sources' names"] if renamed else [])
 
