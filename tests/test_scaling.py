@@ -461,18 +461,25 @@ def test_sample_efficiency_prints_the_data_each_run_needs_for_the_same_score(tmp
     with pytest.raises(SystemExit) as exit_:
         sample_efficiency.main([f"runs={tmp_path}/appendix_b/cms_on/pretrain"])
     assert exit_.value.code == 2 and "one run without CMS and one with" in capsys.readouterr().err
-def test_curves_place_each_step_at_the_compute_the_loop_logged():
+def test_curves_place_each_step_at_the_compute_the_loop_logged(tmp_path):
     """A batch-size warm-up spends less compute on its first steps, and a continued run starts from its parent's
     compute: a validation or probe record is placed at the logged compute of its step (between two logged steps,
     linearly), not at the run's mean compute per step."""
     train = [{"step": step, "compute_flops": flops} for step, flops in ((10, 10.0), (20, 30.0), (30, 70.0))]
-    fresh = scaling_runs.compute_by_step(train, 0)
+    fresh = scaling_runs.count_by_step(train, "compute_flops", continued=False)
     assert [fresh(step) for step in (0, 5, 10, 15, 30, 35)] == [0.0, 5.0, 10.0, 20.0, 70.0, 90.0]
-    continued = scaling_runs.compute_by_step(train, None)  # the parents' compute is in the first record's
+    continued = scaling_runs.count_by_step(train, "compute_flops", continued=True)  # its records count the parents
     assert [continued(step) for step in (5, 10, 25)] == [0.0, 10.0, 50.0]
     assert scaling_runs.continued_step("/runs/stable/checkpoints/0000000300") == 300
     with pytest.raises(UserError, match="names no checkpoint of a run"):
         scaling_runs.continued_step("/runs/stable")
+    ramped = tmp_path / "ramped"  # 256 tokens a step for 10 steps, then 512: its batch is the last step's
+    fake_run(ramped, "bert", 64, 1e-3, 512, 3e14, [5.0, 4.5, 4.0])
+    records = [json.loads(line) for line in (ramped / "metrics.jsonl").read_text().splitlines()]
+    for record in (r for r in records if "loss" in r):
+        record["data_tokens"] = record["step"] * 512 - 2560
+    (ramped / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)))
+    assert scaling_runs.read_run(ramped)["bsz"] == 512
 
 
 def test_a_family_of_decay_branches_reads_as_runs_at_their_budgets_beside_cosine_runs(tmp_path, capsys):

@@ -7,7 +7,6 @@ import sys
 import numpy as np
 import pytest
 from conftest import tiny_argv
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_faults import assert_one_line, run_main
 
 from apps.bert.train import APP
@@ -16,6 +15,8 @@ from lingua.errors import UserError
 from lingua.metrics import LoggingArgs, MetricLogger
 from lingua.run_folder import RunFolder
 from lingua.train import train
+
+EventAccumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator").EventAccumulator
 
 TENSORBOARD = LoggingArgs(tensorboard=True)
 

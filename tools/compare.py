@@ -27,7 +27,7 @@ from lingua.errors import UserError, require
 from lingua.files.safe import atomic_write
 from lingua.run_folder import RunFolder
 from tools.scaling_runs import read_run
-from tools.tables import _markdown
+from tools.tables import markdown_table, number
 
 MASKED_LM_APPS = ("bert", "crossbert")  # their val/loss: the cross-entropy of the masked tokens
 OBJECTIVES = {"electra": "generator MLM + rtd_weight x RTD"}  # what another app's val/loss is
@@ -83,10 +83,6 @@ def metric_names(spec: str, runs: list[dict[str, Any]]) -> list[str]:
                    if re.fullmatch(r"glue/avg/\w+|mteb/.+/Avg\.", key)})
 
 
-def _number(value: float | None, spec: str) -> str:
-    return "–" if value is None else re.sub(r"e\+0?", "e", format(value, spec))
-
-
 def table(runs: list[dict[str, Any]], metrics: list[str]) -> list[str]:
     kinds = list(dict.fromkeys(loss_kind(run["app"]) for run in runs))
     header = ["run", "app", *(f"val loss, {kind} (final / best)" for kind in kinds), "steps", "data tokens",
@@ -97,9 +93,9 @@ def table(runs: list[dict[str, Any]], metrics: list[str]) -> list[str]:
         loss = f"{losses[-1]:.4f} / {min(losses):.4f}" if losses else "–"
         found = scores(run)
         rows.append([run["label"], run["app"], *(loss if kind == loss_kind(run["app"]) else "" for kind in kinds),
-                     str(run["steps"]), _number(run["data_tokens"], ".2e"), _number(run["compute"], ".2e"),
-                     _number(run["compute_with_heads"], ".2e"), _number(run["token_views_per_s"], ",.0f"),
-                     *(_number(found.get(name), ".1f") for name in metrics)])
+                     str(run["steps"]), number(run["data_tokens"], ".2e"), number(run["compute"], ".2e"),
+                     number(run["compute_with_heads"], ".2e"), number(run["token_views_per_s"], ",.0f"),
+                     *(number(found.get(name), ".1f") for name in metrics)])
     notes = ["FLOPs (eq. 6): eq. 7-8 as the paper counts them, every app's output heads left out "
              "(`compute_flops`), and with every head (`compute_flops_with_head`). token-views/s: the median over the "
              "run's log lines, all processes together (CrossBERT with CMS sees each token twice). Probe scores in %, "
@@ -109,7 +105,7 @@ def table(runs: list[dict[str, Any]], metrics: list[str]) -> list[str]:
                      "own: BERT's and CrossBERT's are the cross-entropy of their masked tokens (each at its own mask "
                      "ratio); ELECTRA's is its whole objective, the generator's MLM loss plus rtd_weight (50 by "
                      "default) x the discriminator's RTD loss; another app's is its own objective.")
-    return _markdown(header, rows) + [line for note in notes for line in ("", note)]
+    return markdown_table(header, rows) + [line for note in notes for line in ("", note)]
 
 
 def plot(runs: list[dict[str, Any]], out: str) -> None:

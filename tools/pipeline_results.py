@@ -29,10 +29,16 @@ def pretraining(run: Path) -> dict | None:
     log = RunFolder(run).log_text()
     found = re.search(r": ([\d,]+) parameters", log)
     worlds = re.findall(r" on (\d+) process\(es\)", log)
-    views_per_s = statistics.median(r["token_views_per_s"] for r in records[1:] or records)  # over all processes
+    views_per_s = median_views_per_s(records)
     return {"params": int(found.group(1).replace(",", "")) if found else None,
             "flops": records[-1]["compute_flops"], "flops_with_heads": records[-1].get("compute_flops_with_head"),
             "tps": views_per_s / int(worlds[-1]) if worlds else None}
+
+
+def median_views_per_s(records: list[dict]) -> float:
+    """The median token-views/s of a run's training records, all processes together, the first left out (it holds
+    the start-up and the compiles) when there are others."""
+    return statistics.median(r["token_views_per_s"] for r in records[1:] or records)
 
 
 def probe_scores(folder: Path) -> dict[str, dict[str, float]]:

@@ -19,7 +19,7 @@ from typing import Any
 from lingua.args import command_line, load_config
 from lingua.errors import UserError
 from tools import paper
-from tools.scaling_runs import probe_curves, read_run, require_probe, run_dirs
+from tools.scaling_runs import read_run, require_probe, run_dirs
 
 
 @dataclass
@@ -59,9 +59,10 @@ def efficiency_rows(without: list[tuple[float, float]], with_cms: list[tuple[flo
 
 
 def token_curve(run: dict[str, Any], probe: str, task: str) -> list[tuple[float, float]]:
-    """(data tokens read, score) of the run's logged probe scores of `task` (its curves are against compute)."""
-    return [(compute * run["data_tokens_per_flop"], score)
-            for compute, score in probe_curves(run, probe).get(task, [])]
+    """(data tokens read, score) of the run's logged probe scores of `task`, the tokens those the loop had counted by
+    the probe's step."""
+    key = f"glue/{task}/{probe}"
+    return [(run["data_tokens_at"](record["step"]), record[key]) for _, record in run["probe_curve"] if key in record]
 
 
 def format_efficiency(runs: list[dict[str, Any]], probe: str, task: str) -> str:

@@ -28,6 +28,7 @@ from tools.eval.mteb import benchmark_of
 from tools.eval.mteb import read_results as read_mteb_results
 from tools.finetune.table import choose
 from tools.finetune.table import read_results as read_finetune_results
+from tools.pipeline_results import median_views_per_s
 
 PROBES = ("linear", "knn")
 
@@ -64,23 +65,24 @@ def read_run(dump_dir: Path) -> dict[str, Any]:
     if not train:
         raise UserError(f"{dump_dir} has no training metrics yet")
     last = train[-1]
-    flops_per_step = last["compute_flops"] / last["step"]
     views_per_token = last["token_views_per_s"] / last["data_tokens_per_s"]
     encoder = config["model"]["encoder"]
     parent = config.get("continue_from")
     start_step = continued_step(parent) if parent else 0
-    compute_at = compute_by_step(train, None if parent else 0)
+    compute_at, data_tokens_at = (count_by_step(train, key, continued=bool(parent))
+                                  for key in ("compute_flops", "data_tokens"))
+    step_tokens = data_tokens_at(last["step"]) - data_tokens_at(last["step"] - 1)  # a warm-up's batch grows
     return {
         "dir": dump_dir, "app": _app_of(dump_dir), "lr": config["optim"]["lr"],
         "parent": RunFolder.of(parent).root.resolve() if parent else None, "schedule": schedule_of(config),
-        "steps": last["step"], "start_step": start_step, "flops_per_step": flops_per_step,
-        "bsz": round(last["data_tokens"] / last["step"] * views_per_token),  # views per token: 1 or 2 (CMS)
-        "views_per_token": round(views_per_token), "data_tokens_per_flop": last["data_tokens"] / last["compute_flops"],
+        "steps": last["step"], "start_step": start_step,
+        "bsz": round(step_tokens * views_per_token),  # the last step's; views per token: 1 or 2 (CMS)
+        "views_per_token": round(views_per_token),
         "size": f"{encoder['dim']}x{encoder['n_layers']}", "compute": last["compute_flops"],
         "compute_with_heads": last.get("compute_flops_with_head"),
         "data_tokens": last["data_tokens"],
-        "token_views_per_s": statistics.median(r["token_views_per_s"] for r in train[1:] or train),  # all ranks
-        "compute_at": compute_at,
+        "token_views_per_s": median_views_per_s(train),
+        "compute_at": compute_at, "data_tokens_at": data_tokens_at,
         "val_curve": [(compute_at(r["step"]), r["val/loss"]) for r in val],
         "source_curves": source_curves(val, compute_at),
         "final_val_loss": val[-1]["val/loss"] if val else None,
@@ -127,24 +129,24 @@ def source_curves(val: list[dict], compute_at) -> dict[str, list[tuple[float, fl
     return curves
 
 
-def compute_by_step(train: list[dict], at_step_0: float | None):
-    """The compute spent by the end of a step, from the training records' `compute_flops` (exact at each logged
-    step, linear between two; at_step_0: the compute before the first step, None for a run continuing another,
-    whose first steps are then counted at its first records' rate): a batch-size warm-up or a continued run's
-    parents make it no fixed rate per step."""
-    points = ([(0, at_step_0)] if at_step_0 is not None else []) + [(r["step"], r["compute_flops"]) for r in train]
+def count_by_step(train: list[dict], key: str, continued: bool):
+    """A count the training records log as it grows (`compute_flops`, `data_tokens`) at the end of any step: exact at
+    each logged step, linear between two, beyond them at the nearest two's rate; 0 before a new run's first step (a
+    continued run's records count its parents' too). A batch-size warm-up or a continued run's parents make it no
+    fixed rate per step."""
+    points = ([] if continued else [(0, 0.0)]) + [(r["step"], r[key]) for r in train]
     (first_step, first), (last_step, last) = points[0], points[-1]
     first_rate = (points[1][1] - first) / (points[1][0] - first_step) if len(points) > 1 else first / first_step
     last_rate = (last - points[-2][1]) / (last_step - points[-2][0]) if len(points) > 1 else last / last_step
 
-    def compute_at(step: float) -> float:
+    def count_at(step: float) -> float:
         if step <= first_step:
             return first - (first_step - step) * first_rate
         if step >= last_step:
             return last + (step - last_step) * last_rate
         return float(np.interp(step, *zip(*points)))
 
-    return compute_at
+    return count_at
 
 
 def continued_step(checkpoint: str) -> int:

@@ -21,6 +21,7 @@ DeBERTaV3), in a section of its own; under a paper's row that contradicts anothe
 note says how (tools/paper.yaml, notes). Prints Markdown, and writes it to `out` if given.
 """
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,7 @@ def _cell(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}"
 
 
-def _markdown(header: list[str], rows: list[list[str]]) -> list[str]:
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
@@ -93,7 +94,7 @@ def glue_section(title: str, ours: list[tuple[str, list[str], dict[str, float]]]
         metrics.append(f"The paper's rows: its numbers on these {len(tasks)} tasks, averaged here as ours (its own "
                        f"average is over all {len(TASKS)}).")
     header = [corner, *meta, *(TASKS[t].title for t in tasks), average]
-    return [f"**{title}**", ""] + _markdown(header, rows) + footnotes(" ".join(metrics), notes)
+    return [f"**{title}**", ""] + markdown_table(header, rows) + footnotes(" ".join(metrics), notes)
 
 
 def mteb_metrics(runs: list[dict]) -> str:
@@ -130,18 +131,19 @@ def mteb_section(title: str, ours: list[tuple[str, list[str], dict]], theirs: li
     average = "Avg." if whole else f"Avg. ({len(categories)} types)"
     header = ["Model", *meta, *(SHORT[c] for c in categories), average, "Overall"]
     metrics = mteb_metrics([results for _, _, results in ours if results])
-    return [f"**{title}**", ""] + _markdown(header, rows) + footnotes(metrics, notes)
+    return [f"**{title}**", ""] + markdown_table(header, rows) + footnotes(metrics, notes)
 
 
-def _flops(value: float | None) -> str:
-    return "–" if value is None else f"{value:.1e}".replace("e+", "e")
+def number(value: float | None, spec: str = ".1e") -> str:
+    """A table's number, "–" when there is none; exponents short (6.6e19, 1e5)."""
+    return "–" if value is None else re.sub(r"e\+0?", "e", format(value, spec))
 
 
 def _meta(variant: Variant) -> list[str]:
     run = variant.pretrain or {}
     params = f"{run['params'] / 1e6:.1f}M" if run.get("params") else "–"
     tps = f"{run['tps'] / 1e3:.1f}k" if run.get("tps") else "–"
-    return [params, _flops(run.get("flops")), _flops(run.get("flops_with_heads")), tps]
+    return [params, number(run.get("flops")), number(run.get("flops_with_heads")), tps]
 
 
 def table1(variants: list[Variant]) -> list[str]:
@@ -227,14 +229,14 @@ def literature() -> list[str]:
     for title, block in (("GLUE, full fine-tuning (dev)", "glue_finetune"),
                          ("GLUE, linear probe on frozen features", "glue_linear")):
         rows = [[name, *shape[name], "–", *map(_cell, scores)] for name, scores in paper.LITERATURE[block].items()]
-        lines += [f"**{title}**", ""] + _markdown(["Model", *LITERATURE_META, *(t.title for t in TASKS.values()),
+        lines += [f"**{title}**", ""] + markdown_table(["Model", *LITERATURE_META, *(t.title for t in TASKS.values()),
                                                    "Avg."], rows)
         lines.append("")
     rows = [[name + marks[name], *shape[name], "–", *map(_cell, scores)]
             for name, scores in paper.LITERATURE["mteb_v1_full"].items()]
     header = ["Model", *LITERATURE_META, *(SHORT[c] for c in CATEGORIES), "Avg.", "Overall"]
     marked = " ".join(f"{mark}: {text}" for mark, text in paper.LITERATURE["mteb_v1_full_footnotes"].items())
-    return lines + ["**MTEB(eng, v1), contrastive fine-tuning, whole model**", ""] + _markdown(header, rows) + [
+    return lines + ["**MTEB(eng, v1), contrastive fine-tuning, whole model**", ""] + markdown_table(header, rows) + [
         "", f"The paper's marks: {marked}", "", paper.NOTES["literature"]["mteb_v1_full"], ""]
 
 
@@ -253,7 +255,7 @@ def table2(variants: list[Variant]) -> list[str]:
         averages.append(_cell(sum(scores.values()) / len(scores) if scores else None))
         theirs.append(_cell(paper.CROSSBERT_MASK_RATIO.get(v.label) if len(scores) == len(TASKS) else None))
     tasks = sorted({len(v.probes.get("linear", {})) for v in variants})
-    lines += _markdown(["Masking ratio (%)", *(v.label for v in variants)],
+    lines += markdown_table(["Masking ratio (%)", *(v.label for v in variants)],
                        [[f"CrossBERT (Avg. over {'/'.join(map(str, tasks))} tasks)", *averages],
                         [f"*CrossBERT, paper ({len(TASKS)} tasks)*", *theirs]])
     lines += ["", metric_names([t for t in TASKS if any(t in v.probes.get("linear", {}) for v in variants)])]
@@ -326,7 +328,7 @@ def warm_start_gain(variants: list[Variant], benchmark: str) -> list[str]:
              if key in summaries["warm"] and key in summaries["cold"]}
     cold, warm = paper.WARM_START["cold"], paper.WARM_START["warm"]
     return [f"Warm start minus cold: ours {', '.join(f'{key} {gain:+.1f}' for key, gain in gains.items())}; the "
-            f"paper's text (section 4.2, Appendix D) about +{paper.PROSE['warm_start_gain']} (its Table 7: Avg. "
+            f"paper's text (section 4.2, Appendix D) about {paper.PROSE['warm_start_gain']} % (its Table 7: Avg. "
             f"{warm[-2] - cold[-2]:+.1f}, Overall {warm[-1] - cold[-1]:+.1f}).", ""]
 
 
