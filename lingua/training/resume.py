@@ -61,10 +61,10 @@ def resumed_config(run: RunFolder) -> dict | None:
     return None
 
 
-def resume(start: Start, checkpoints: CheckpointManager, model, optimizer, app: App, config, launch: Launch) \
-        -> dict | None:
+def resume(start: Start, checkpoints: CheckpointManager, model, optimizer, app: App, config, launch: Launch,
+           average: dict | None = None) -> dict | None:
     """Loads the newest of the run's checkpoints (`checkpoints`: start.run's) that loads and returns this rank's
-    train state; None for a new run.
+    train state; None for a new run. `average`: the weights' average, loaded too where the checkpoint holds one.
 
     Rank 0 picks the checkpoint and every rank loads that one. A checkpoint proven damaged (a missing or truncated
     file, content that does not parse) is set aside and the one before it is tried; an I/O error is no proof: the
@@ -84,7 +84,7 @@ def resume(start: Start, checkpoints: CheckpointManager, model, optimizer, app: 
         path = Path(choice)
         states, damage, unread = None, None, None
         try:
-            states = checkpoints.load(path, model, optimizer)
+            states = checkpoints.load(path, model, optimizer, average)
         except DamagedCheckpoint as e:
             damage = str(e)
         except OSError as e:
