@@ -1,7 +1,7 @@
 """The weights' exponential moving average (lingua/training/ema.py): its arithmetic and swap, a run that keeps one
 (saved with every checkpoint, resumed bit for bit, scored by the evaluations, written to consolidated_ema.pt, exported
-and loaded by transformers' AutoModel) and a run that turns it on when it resumes. Two ranks: tests/test_distributed.py
-(fsdp_steps' `ema` configuration, ELECTRA under torchrun)."""
+and loaded by transformers' AutoModel; any checkpoint's consolidated) and a run that turns it on when it resumes. Two
+ranks: tests/test_distributed.py (fsdp_steps' `ema` configuration, ELECTRA under torchrun)."""
 
 import json
 import shutil
@@ -18,6 +18,7 @@ from lingua.args import load_config
 from lingua.checkpoint.store import Checkpoint, saved_shapes
 from lingua.distributed import Launch
 from lingua.errors import UserError
+from lingua.export.consolidate import main as consolidate
 from lingua.export.embedder import load_embedder
 from lingua.train import train
 from lingua.training.ema import WeightsAverage
@@ -45,7 +46,7 @@ def saved_average(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def averaged_run(tmp_path_factory) -> tuple[Path, Path]:
-    """(the tiny corpus, a finished 20-step BERT run keeping an average, checkpoints at 10 and 20, each evaluation
+    """(the tiny corpus, a finished 10-step BERT run keeping an average, checkpoints at 5 and 10, each evaluation
     scoring both weights, best.pt kept by the average's validation accuracy)."""
     root = tmp_path_factory.mktemp("averaged")
     corpus, dump = write_corpus(root / "data"), root / "run"
@@ -54,8 +55,8 @@ def averaged_run(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def averaged_argv(corpus: Path, dump: Path) -> list[str]:
-    return [*tiny_argv(corpus, dump, 20), f"ema.decay={DECAY}", "ema.evaluate=both",
-            "validation.keep_best=ema/val/accuracy"]
+    return [*tiny_argv(corpus, dump, 10), "checkpoint.every=5", "validation.every=5", f"ema.decay={DECAY}",
+            "ema.evaluate=both", "validation.keep_best=ema/val/accuracy"]
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -99,20 +100,20 @@ def test_the_average_follows_each_step_and_swaps_in_and_back_exactly():
 
 def test_every_checkpoint_and_the_end_save_the_average(averaged_run):
     _, dump = averaged_run
-    final = saved_average(dump / "checkpoints" / "0000000020")
+    final = saved_average(dump / "checkpoints" / "0000000010")
     at_the_end, raw = weights(dump / "consolidated_ema.pt"), weights(dump / "consolidated.pt")
     assert final.keys() <= at_the_end.keys()
     assert all(torch.equal(value, at_the_end[name]) for name, value in final.items())
     assert any(not torch.equal(value, raw[name]) for name, value in final.items())
-    state = json.loads((dump / "checkpoints" / "0000000020" / "train_state_00000.json").read_text())
-    assert state["ema_from"] == 0 and Checkpoint.read(dump / "checkpoints" / "0000000020").averaged
+    state = json.loads((dump / "checkpoints" / "0000000010" / "train_state_00000.json").read_text())
+    assert state["ema_from"] == 0 and Checkpoint.read(dump / "checkpoints" / "0000000010").averaged
 
 
 def test_evaluations_score_both_weights_and_best_pt_holds_the_average(averaged_run):
     _, dump = averaged_run
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     scored = [r for r in records if "val/loss" in r]
-    assert [r["step"] for r in scored] == [10, 20]
+    assert [r["step"] for r in scored] == [5, 10]
     assert all("ema/val/loss" in r and r["ema/val/loss"] != r["val/loss"] for r in scored)
     best = json.loads((dump / "best.json").read_text())
     average = saved_average(dump / "checkpoints" / f"{best['step']:010d}")
@@ -124,14 +125,14 @@ def test_a_resumed_run_continues_the_average_bit_for_bit(averaged_run, tmp_path)
     corpus, full = averaged_run
     resumed = tmp_path / "resumed"
     shutil.copytree(full, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "0000000020")
+    shutil.rmtree(resumed / "checkpoints" / "0000000010")
     for name in ("consolidated.pt", "consolidated_ema.pt", "best.pt", "best.json"):
         (resumed / name).unlink()
     run(averaged_argv(corpus, resumed))
     reference, continued = weights(full / "consolidated_ema.pt"), weights(resumed / "consolidated_ema.pt")
     assert all(torch.equal(value, continued[name]) for name, value in reference.items())
-    assert [read_metrics(resumed)[s]["loss"] for s in range(11, 21)] == \
-        [read_metrics(full)[s]["loss"] for s in range(11, 21)]
+    assert [read_metrics(resumed)[s]["loss"] for s in range(6, 11)] == \
+        [read_metrics(full)[s]["loss"] for s in range(6, 11)]
 
 
 def test_the_average_exports_and_transformers_loads_it(averaged_run, tmp_path):
@@ -148,7 +149,15 @@ def test_the_average_exports_and_transformers_loads_it(averaged_run, tmp_path):
     assert_transformers_matches(folder, embedder)
 
 
-def test_a_run_turning_the_average_on_starts_it_at_the_resumed_weights(corpus, tmp_path):
+def test_any_checkpoint_consolidates_its_average(averaged_run, tmp_path, capsys):
+    _, dump = averaged_run
+    consolidate(["consolidate", str(dump / "checkpoints" / "0000000010"), str(tmp_path / "ema.pt"), "weights=ema"])
+    assert "wrote" in capsys.readouterr().out
+    saved, at_the_end = weights(tmp_path / "ema.pt"), weights(dump / "consolidated_ema.pt")
+    assert saved.keys() == at_the_end.keys() and all(torch.equal(saved[k], at_the_end[k]) for k in saved)
+
+
+def test_a_run_turning_the_average_on_starts_it_at_the_resumed_weights(corpus, tmp_path, capsys):
     """A checkpoint saved without an average: the average starts at its weights, and one step later is the mean of
     the two steps' weights at decay 0.5."""
     dump = tmp_path / "run"
@@ -160,6 +169,10 @@ def test_a_run_turning_the_average_on_starts_it_at_the_resumed_weights(corpus, t
     for name, value in average.items():
         torch.testing.assert_close(value, 0.5 * before[name] + 0.5 * after[name], rtol=0, atol=1e-7)
     assert json.loads((dump / "checkpoints" / "0000000003" / "train_state_00000.json").read_text())["ema_from"] == 2
+    with pytest.raises(SystemExit) as exit_info:
+        consolidate(["consolidate", str(dump / "checkpoints" / "0000000002"), str(tmp_path / "x.pt"), "weights=ema"])
+    assert exit_info.value.code == 2
+    assert "0000000002 holds no average of the weights (its run kept none: ema.decay)\n" in capsys.readouterr().err
 
 
 def test_the_memory_estimate_counts_the_average():

@@ -394,9 +394,9 @@ class Checkpoint:
     is refused unimported: the app is a name read from the file). Every problem is one line naming the file."""
 
     def __init__(self, path: Path, params: dict, shapes: dict[str, tuple[int, ...]], weights: dict | None = None,
-                 named_app: str | None = None, averaged: bool = False):
+                 named_app: str | None = None, average_shapes: dict[str, tuple[int, ...]] | None = None):
         self.path, self.params, self.shapes, self.named_app = path, params, shapes, named_app
-        self.averaged = averaged  # it holds the weights' average (`ema.`)
+        self.average_shapes = average_shapes or {}  # of the weights' average (`ema.`), when it holds one
         self._weights = weights  # a consolidated file's tensors, memory-mapped
 
     @property
@@ -443,7 +443,7 @@ class Checkpoint:
         unparsable file, OSError for a file that could not be read."""
         if path.is_dir():
             return cls(path, verify(path), saved_shapes(path), named_app=named_app,
-                       averaged=bool(saved_shapes(path, "ema")))
+                       average_shapes=saved_shapes(path, "ema"))
         try:
             regular_file(path)  # a FIFO would block torch.load for ever
         except RefusedFile as e:
@@ -459,6 +459,11 @@ class Checkpoint:
             raise UserError(f"{path} is not a checkpoint of this library (no app, config and model in it)")
         shapes = {k: tuple(v.shape) for k, v in saved["model"].items()}
         return cls(path, {"app": saved["app"], "config": saved["config"]}, shapes, saved["model"], named_app)
+
+    @property
+    def averaged(self) -> bool:
+        """It holds the weights' average (a run with ema.decay saves it in every checkpoint)."""
+        return bool(self.average_shapes)
 
     def mismatches(self, model: nn.Module) -> list[str]:
         """Parameter names whose saved shape differs from the model's, or that only one side has (global shapes of
@@ -482,9 +487,27 @@ class Checkpoint:
         except (Exception, CheckpointException) as e:
             raise UserError(f"checkpoint {self.path} is damaged: {short_reason(e)}") from None
 
+    def load_average_into(self, model: nn.Module) -> None:
+        """The weights' average in place of the raw weights of the parameters it covers (`model` holds this
+        checkpoint's weights: `load_into`). Every rank calls it."""
+        if not self.averaged:
+            raise UserError(f"{self.path} holds no average of the weights (its run kept none: ema.decay)")
+        weights = get_model_state_dict(model)
+        mismatched = sorted(k for k, shape in self.average_shapes.items()
+                            if k not in weights or tuple(weights[k].shape) != shape)
+        if mismatched:
+            raise UserError(f"{self.path} holds an average of another model (first difference: {mismatched[0]})")
+        state = {"ema": {k: weights[k] for k in self.average_shapes}}
+        try:
+            with _dcp_quietly():
+                safe_dcp.load(state, self.path)
+            set_model_state_dict(model, state["ema"], options=StateDictOptions(strict=False))
+        except (Exception, CheckpointException) as e:
+            raise UserError(f"checkpoint {self.path} is damaged: {short_reason(e)}") from None
+
     def load_training(self, model: nn.Module, optimizer, average: dict | None = None) -> list[dict]:
         """Model and optimizer in place, to resume training (on any world size: DCP reshards), and `average` (the
-        weights' average) when the checkpoint holds one (its train states' `ema_from` says); the train state of
+        weights' average, WeightsAverage.state_dict) when the checkpoint holds one; the train state of
         every rank that saved the checkpoint. DamagedCheckpoint if it is damaged, OSError if a file could not be read
         (`read_error`). Called by every rank."""
         if self._weights is not None:
