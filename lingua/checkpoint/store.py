@@ -513,7 +513,8 @@ class Checkpoint:
         if self._weights is not None:
             raise UserError(f"{self.path} holds weights only (no optimizer state): it cannot be resumed")
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd, **({"ema": average} if average and self.averaged else {})}
+        averaged = {"ema": average} if average and self.averaged else {}
+        state = {"model": model_sd, "optim": optim_sd, **averaged}
         try:
             with _dcp_quietly():
                 safe_dcp.load(state, self.path)
@@ -522,8 +523,9 @@ class Checkpoint:
                 raise unread from None
             raise DamagedCheckpoint(short_reason(e)) from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        if not parameters_finite(model, optimizer):  # bytes corrupted in place (the size is right)
-            raise DamagedCheckpoint("its weights or optimizer state are not all finite")
+        if not parameters_finite(model, optimizer, averaged.get("ema", {}).values()):  # bytes corrupted in place
+            raise DamagedCheckpoint(f"its weights{', average' if averaged else ''} or optimizer state are not all "
+                                    "finite")
         keys = TrainState.saved_fields()
         return [_read_json(file, keys) for file in sorted(self.path.glob("train_state_*.json"))]
 
