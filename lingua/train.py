@@ -303,7 +303,7 @@ class Trainer:
             fail_together(metrics.failure)  # a record of the last step that could not be written
         if step == config.steps:
             activity.now = "saving consolidated.pt"
-            if self.average is not None:  # first: a finished run (its consolidated.pt) has both
+            if self.average is not None:  # written first: a finished run (it has consolidated.pt) has both
                 with self.average.swapped_in():
                     save_consolidated(self.model, self.params, self.run.consolidated_ema, self.lock.lost)
             save_consolidated(self.model, self.params, self.run.consolidated, self.lock.lost)
