@@ -23,6 +23,7 @@ from lingua.export.embedder import load_embedder
 from lingua.train import train
 from lingua.training.ema import WeightsAverage
 from lingua.training.memory import estimate
+from lingua.training.validation import OfTheAverage
 
 DECAY = 0.9
 
@@ -96,6 +97,27 @@ def test_the_average_follows_each_step_and_swaps_in_and_back_exactly():
         assert all(torch.equal(p, average.state_dict().get(name, raw[name])) for name, p in model.named_parameters())
     assert all(torch.equal(p, raw[name]) for name, p in model.named_parameters())
     assert all(torch.equal(state["exp_avg"], m) for state, m in zip(optimizer.state.values(), moments, strict=True))
+
+
+def test_an_evaluation_scores_the_weights_that_ema_evaluate_names():
+    model = torch.nn.Linear(2, 1)
+    average = WeightsAverage(model, 0.5)  # the weights as they are now
+    with torch.no_grad():
+        model.weight.add_(1)
+    raw = model.weight.sum().item()
+
+    class WeightSum:
+        name, keep_best = "sum", ""
+
+        def due(self, step):
+            return True
+
+        def run(self, step):
+            return {"sum": model.weight.sum().item()}
+
+    assert OfTheAverage(WeightSum(), average, "ema").run(1) == {"ema/sum": pytest.approx(raw - 2)}
+    assert OfTheAverage(WeightSum(), average, "both").run(1) == {"sum": raw, "ema/sum": pytest.approx(raw - 2)}
+    assert model.weight.sum().item() == raw
 
 
 def test_every_checkpoint_and_the_end_save_the_average(averaged_run):
