@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -261,10 +262,10 @@ def collective_failure(error: BaseException) -> str | None:
     return "timeout" if "imed out" in text or "imeout" in text else "lost"
 
 
-def parameters_finite(model: nn.Module, optimizer=None) -> bool:
-    """Whether every weight of the model, and of the optimizer's state, is finite (every shard, on every rank): one
-    reduction, one host sync."""
-    tensors = [*model.parameters()]
+def parameters_finite(model: nn.Module, optimizer=None, more: Iterable[torch.Tensor] = ()) -> bool:
+    """Whether every weight of the model, of the optimizer's state and of `more` is finite (every shard, on every
+    rank): one reduction, one host sync."""
+    tensors = [*model.parameters(), *more]
     if optimizer is not None:
         tensors += [v for state in optimizer.state.values() for v in state.values()
                     if isinstance(v, torch.Tensor) and v.is_floating_point()]

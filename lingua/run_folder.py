@@ -9,6 +9,7 @@ from it, and the rules over them. No other module spells these names (tests/test
     checkpoints/         the checkpoints; inside it, the layout of each step (NNNNNNNNNN/ with params.json,
                          train_state_NNNNN.json, manifest.json) is lingua/checkpoint/store.py's CheckpointManager's
     consolidated.pt      the final weights in one file, with the app and the config: the run is finished
+    consolidated_ema.pt  the final weights' average (ema.decay), as consolidated.pt, written just before it
     best.pt, best.json   the weights and the validation record of the best evaluation (validation.keep_best)
     .lock                the run's lease (lingua/training/lifecycle.py's RunLock)
     submitted.yaml       the config stool submitted (lingua/stool.py)
@@ -36,6 +37,7 @@ TENSORBOARD = "tensorboard"
 LOG = "train.log"
 CHECKPOINTS = "checkpoints"
 CONSOLIDATED = "consolidated.pt"
+CONSOLIDATED_EMA = "consolidated_ema.pt"
 BEST_WEIGHTS = "best.pt"
 BEST_RECORD = "best.json"
 LOCK = ".lock"
@@ -95,6 +97,10 @@ class RunFolder:
     @property
     def consolidated(self) -> Path:
         return self.root / CONSOLIDATED
+
+    @property
+    def consolidated_ema(self) -> Path:
+        return self.root / CONSOLIDATED_EMA
 
     @property
     def best_weights(self) -> Path:

@@ -65,6 +65,7 @@ from lingua.model.flops import count_params
 from lingua.run_folder import RunFolder
 from lingua.training.batch_warmup import BatchWarmupArgs, check_batch_warmup, micro_batches_at
 from lingua.training.divergence import Diverged, NonFiniteGuard
+from lingua.training.ema import EmaArgs, WeightsAverage, weights_scored_by
 from lingua.training.lifecycle import (
     LifecycleArgs,
     RunLock,
@@ -108,6 +109,7 @@ class TrainArgs:
     validation: ValidationArgs = field(default_factory=ValidationArgs)
     distributed: DistributedArgs = field(default_factory=DistributedArgs)  # processes, sharding, compile
     lifecycle: LifecycleArgs = field(default_factory=LifecycleArgs)  # the stop signal and SLURM's requeue
+    ema: EmaArgs = field(default_factory=EmaArgs)  # an exponential moving average of the weights
 
     def __post_init__(self):
         require(bool(self.dump_dir.strip()), "dump_dir", "is empty: name the run's folder")
@@ -217,6 +219,7 @@ class Trainer:
         self.model.separate_documents(app.data.document_start(config.data, self.tokenizer))
         check_batch_shape(self.model, app.data.row_shape(config.data), device)
         self.optimizer = build_optimizer(self.model, config.optim)
+        self.average = WeightsAverage.of(self.model, config.ema)  # None when the run keeps none
         self.params = {"app": app.name, "config": to_dict(config)}
         self.checkpoints = CheckpointManager(self.run.checkpoints, config.checkpoint, lock.lost)
         on_rank_zero(lambda: self.checkpoints.check_folder(self.run))
@@ -226,12 +229,13 @@ class Trainer:
                 logger.info(f"removed {partial.name}, left by a process killed while writing it")
         self.generator = torch.Generator(device).manual_seed(config.seed + launch.rank)  # the masking's draws
         self.state = self._start_state(start)  # init_from's weights are read there, then let go
+        self._start_average()
         self.throughput = Throughput(self.model, config.data.batch_size, math.prod(app.data.row_shape(config.data)),
                                      config.data.seq_len, launch.world_size, peak_flops(config.logging, device),
                                      self.state.data_tokens)
         self.guard, self.window = NonFiniteGuard(device, self.checkpoints.latest), Window()
         self.evaluations = build_evaluations(app, EvalContext(self.model, self.tokenizer, config, device, launch,
-                                                              self.guard))
+                                                              self.guard, self.average))
         logger.info(
             f"{app.name}: {count_params(self.model):,} parameters ({count_params(self.model, embeddings=False):,} "
             f"outside the embedding) on {launch.world_size} process(es) ({launch.source}, {device.type}"
@@ -245,9 +249,10 @@ class Trainer:
         """The resumed checkpoint's state, or a new run's: continued from another run's checkpoint, or from
         `init_from`'s weights when given."""
         config = self.config
-        saved = resume(start, self.checkpoints, self.model, self.optimizer, self.app, config, self.launch)
+        average = self._average_state()
+        saved = resume(start, self.checkpoints, self.model, self.optimizer, self.app, config, self.launch, average)
         if saved is None and start.continued is not None:
-            saved = continue_run(start, self.model, self.optimizer, self.app, config, self.launch)
+            saved = continue_run(start, self.model, self.optimizer, self.app, config, self.launch, average)
         if saved is not None:
             state = TrainState.from_dict(saved)
             if state.generator is not None:
@@ -261,6 +266,18 @@ class Trainer:
             logger.info(f"initialised the model from {config.init_from} (weights only: step, optimizer and data start "
                         "afresh)")
         return TrainState()
+
+    def _start_average(self) -> None:
+        """The weights' average goes on from the checkpoint's; where it holds none (a new run, or one that turned
+        ema.decay on), it starts at the weights the run starts from."""
+        if self.average is None:
+            self.state.ema_from = None
+        elif self.state.ema_from is None:
+            self.average.restart()
+            self.state.ema_from = self.state.step
+
+    def _average_state(self) -> dict | None:
+        return None if self.average is None else self.average.state_dict()
 
     def _load_init(self, checkpoint) -> dict:
         """init_from's weights into the model (the app's way, when it has one); the config they were trained with."""
@@ -318,6 +335,9 @@ class Trainer:
             fail_together(metrics.failure)  # a record of the last step that could not be written
         if step == config.steps:
             activity.now = "saving consolidated.pt"
+            if self.average is not None:  # written first: a finished run (it has consolidated.pt) has both
+                with self.average.swapped_in():
+                    save_consolidated(self.model, self.params, self.run.consolidated_ema, self.lock.lost)
             save_consolidated(self.model, self.params, self.run.consolidated, self.lock.lost)
         return self._summary(step, first_loss, time.perf_counter() - start, stop.agreed)
 
@@ -337,6 +357,8 @@ class Trainer:
         set_lr(self.optimizer, lr)
         batches = [self.model.make_batch(next(loader), self.generator) for _ in range(self._micro_batches())]
         result = training_step(self.model, self.optimizer, batches, config.optim.clip)
+        if self.average is not None:
+            self.average.update()
         self.guard.update(step + 1, result.loss, result.grad_norm)
         self.state.data_tokens += self.throughput.data_tokens(len(batches))
         self.window.add(loss=result.loss, grad_norm=result.grad_norm, **result.stats)
@@ -387,7 +409,8 @@ class Trainer:
                             f"{', '.join(k for k in record if k != 'step')})")
         if self.state.best is None or record[key] > self.state.best[key]:
             self.state.best = record
-            save_consolidated(self.model, self.params, self.run.best_weights, self.lock.lost)
+            with weights_scored_by(key, self.average):
+                save_consolidated(self.model, self.params, self.run.best_weights, self.lock.lost)
             on_rank_zero(lambda: self._write(self.run.best_record, lambda path: atomic_write(
                 path, json.dumps(record, indent=1) + "\n")))
 
@@ -406,7 +429,8 @@ class Trainer:
         self.state.step, self.state.data, self.state.evaluation_skipped = step, loader.state_dict(), stopping
         self.state.generator = self.generator.get_state().tolist()
         self.state.compute = self._compute(self.state.data_tokens)
-        self.checkpoints.save(step, self.model, self.optimizer, self.state.state_dict(), self.params)
+        self.checkpoints.save(step, self.model, self.optimizer, self.state.state_dict(), self.params,
+                              self._average_state())
 
 
 def summary_line(summary: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ from lingua.errors import UserError
 from lingua.train import train
 
 WSD = ["optim.schedule=wsd", "optim.warmup=4"]
-STABLE = [*WSD, "optim.decay_fraction=0", "checkpoint.every=10", "checkpoint.keep=0"]
+STABLE = [*WSD, "optim.decay_fraction=0", "checkpoint.every=10", "checkpoint.keep=0", "ema.decay=0.9"]
 
 
 def run(argv):
@@ -57,6 +57,20 @@ def test_a_decay_branch_equals_a_run_never_interrupted(stable, tmp_path):
     assert folder_digest(parent) == before
     run(tiny_argv(corpus, branch, steps=16) + decay + [f"continue_from={parent}"])  # the same command: finished
     assert yaml.safe_load((branch / "config.yaml").read_text())["continue_from"] == config["continue_from"]
+
+
+def test_a_branch_carries_the_weights_average_on(stable, tmp_path):
+    """The stable run's average of the weights goes on in the branch: at the end it equals, bit for bit, that of the
+    run never interrupted."""
+    import torch
+
+    corpus, parent = stable
+    decay = [*WSD, "optim.decay_steps=6", "ema.decay=0.9"]
+    run(tiny_argv(corpus, tmp_path / "branch", steps=16) + decay + [f"continue_from={parent}/checkpoints/0000000010"])
+    run(tiny_argv(corpus, tmp_path / "whole", steps=16) + decay)
+    branch, whole = (torch.load(tmp_path / name / "consolidated_ema.pt", weights_only=True)["model"]
+                     for name in ("branch", "whole"))
+    assert branch.keys() == whole.keys() and all(torch.equal(branch[k], whole[k]) for k in whole)
 
 
 def test_a_phase_grows_the_context_and_the_export_carries_it(stable, tmp_path, capsys):

@@ -51,10 +51,10 @@ def torchrun(*args, procs=2, check=True, timeout=300) -> subprocess.CompletedPro
 APPS = ("bert", "crossbert")
 FSDP_TYPES = ("full_shard", "no_shard", "hybrid_shard")
 ON_ONE_PROCESS = [*(f"app={app} grad_acc=2" for app in APPS), *(f"app={app}" for app in APPS),
-                  "app=crossbert ac=full", "app=crossbert ac=selective"]
+                  "app=crossbert ac=full", "app=crossbert ac=selective", "app=crossbert ema=0.5"]
 ON_TWO_PROCESSES = [*(f"app={app} grad_acc=2 fsdp_type={fsdp_type}" for app in APPS for fsdp_type in FSDP_TYPES),
                     *(f"app={app} bf16=true" for app in APPS), "app=crossbert",
-                    "app=crossbert compile=true backend=aot_eager ac=selective"]
+                    "app=crossbert compile=true backend=aot_eager ac=selective", "app=crossbert ema=0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +103,26 @@ def test_compiled_blocks_under_fsdp_match_eager(fsdp_steps):
     assert compiled == fsdp_steps[2]["app=crossbert"]
 
 
+def test_the_weights_average_under_fsdp_matches_one_process_and_leaves_training_as_it_was(fsdp_steps):
+    """The average kept on each rank's shards, swapped into the sharded model after every step: its loss is one
+    process's, and the training steps after each swap are those of a run that keeps none, bit for bit."""
+    averaged = fsdp_steps[2]["app=crossbert ema=0.5"]
+    assert [(r["loss"], r["grad_norm"]) for r in averaged] == [(r["loss"], r["grad_norm"])
+                                                               for r in fsdp_steps[2]["app=crossbert"]]
+    for two, one in zip(averaged, fsdp_steps[1]["app=crossbert ema=0.5"], strict=True):
+        assert two["ema_loss"] == pytest.approx(one["ema_loss"], rel=1e-5)
+
+
 def _train_argv(corpus: Path, dump: Path, steps: int, *extra) -> list[str]:
     return [*tiny_argv(corpus, dump, steps), "checkpoint.every=10", *extra]
 
 
 def test_torchrun_trains_and_writes_once(corpus, tmp_path):
-    """ELECTRA, whose two networks are sharded and saved together; every app's sharded steps are compared with one
-    process in fsdp_steps, CrossBERT trains under torchrun below, BERT moves between world sizes."""
+    """ELECTRA, whose two networks are sharded and saved together, with the weights' average kept on each rank's
+    shards, scored and gathered; every app's sharded steps are compared with one process in fsdp_steps, CrossBERT
+    trains under torchrun below, BERT moves between world sizes."""
     dump = tmp_path / "run"
-    result = torchrun("-m", "apps.electra.train", *_train_argv(corpus, dump, 12))
+    result = torchrun("-m", "apps.electra.train", *_train_argv(corpus, dump, 12, "ema.decay=0.9", "ema.evaluate=both"))
     metrics = read_metrics(dump)
     assert sorted(metrics) == list(range(1, 13))  # one line per step: rank 0 alone writes
     assert metrics[12]["data_tokens"] == 12 * 2 * 8 * 32  # both ranks' tokens
@@ -119,6 +130,10 @@ def test_torchrun_trains_and_writes_once(corpus, tmp_path):
     assert "Traceback" not in result.stderr
     model, _, _ = load_model(dump)  # the export gathers every shard
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    average, _, _ = load_model(dump / "consolidated_ema.pt")
+    assert all(torch.isfinite(p).all() and not torch.equal(p, raw)
+               for p, raw in zip(average.parameters(), model.parameters(), strict=True))
+    assert "ema/val/loss" in (dump / "metrics.jsonl").read_text()
 
 
 def test_torchrun_with_one_process_trains_under_fsdp(corpus, tmp_path):

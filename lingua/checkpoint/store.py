@@ -1,7 +1,8 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): saved, kept, read back; and consolidated weights (one file).
 
 Layout of a run's checkpoints/ (the rest of its dump_dir: lingua/run_folder.py):
-    0000001000/                    one complete checkpoint: DCP shards of model + optimizer,
+    0000001000/                    one complete checkpoint: DCP shards of model + optimizer (+ the weights'
+                                   average, `ema.`, when the run keeps one: lingua/training/ema.py),
         params.json                the app and the resolved config (enough to rebuild the model),
         train_state_00000.json     each rank's loop state (`TrainState`: step, data loader, masking RNG),
         manifest.json              every file's size, written last: a missing or truncated file shows before loading
@@ -103,6 +104,7 @@ class TrainState:
     # the data tokens and compute spent before this run's phase (a run it continues, counted at that run's FLOPs per
     # token); None: none, or the whole run at this run's FLOPs per token
     phase_start: dict | None = None
+    ema_from: int | None = None  # the step the weights' average (the checkpoint's `ema.`) started at; None: none
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -197,16 +199,17 @@ def verify(path: Path) -> dict:
     return _read_json(path / PARAMS, {"app": str, "config": dict})
 
 
-def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Shape of every model tensor in a DCP checkpoint, from its metadata (no tensor is read)."""
+def saved_shapes(path: Path, entry: str = "model") -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor of an entry (`model`, `ema`) of a DCP checkpoint, from its metadata (no tensor is
+    read)."""
     try:
         metadata = safe_dcp.read_metadata(path).state_dict_metadata
     except (Exception, CheckpointException) as e:
         if (unread := read_error(e)) is not None:
             raise unread from None
         raise DamagedCheckpoint(f".metadata: {short_reason(e)}") from None
-    return {k.removeprefix("model."): tuple(v.size) for k, v in metadata.items()
-            if k.startswith("model.") and hasattr(v, "size")}
+    return {k.removeprefix(f"{entry}."): tuple(v.size) for k, v in metadata.items()
+            if k.startswith(f"{entry}.") and hasattr(v, "size")}
 
 
 class CheckpointManager:
@@ -270,15 +273,17 @@ class CheckpointManager:
         os.replace(path, target)
         return target
 
-    def save(self, step: int, model: nn.Module, optimizer, train_state: dict, params: dict) -> Path:
-        """Every rank calls it. The stages (rank 0 makes the folder; every rank writes its part; rank 0 completes
-        it) end in an agreement: a failure on any rank (a full disk, a lost mount) is raised on every rank, once
-        the `.tmp` folder is removed, and the previous checkpoint stays in force."""
+    def save(self, step: int, model: nn.Module, optimizer, train_state: dict, params: dict,
+             average: dict | None = None) -> Path:
+        """Every rank calls it; `average`: the weights' average (lingua.training.ema), if the run keeps one. The
+        stages (rank 0 makes the folder; every rank writes its part; rank 0 completes it) end in an agreement: a
+        failure on any rank (a full disk, a lost mount) is raised on every rank, once the `.tmp` folder is removed,
+        and the previous checkpoint stays in force."""
         rank, _ = rank_and_world()
         final = self.folder / f"{step:010d}"
         tmp = final.with_name(final.name + ".tmp")
         self._stage(final, tmp, lambda: tmp.mkdir(parents=True) if rank == 0 else None)
-        self._stage(final, tmp, lambda: self._write(tmp, rank, model, optimizer, train_state, params))
+        self._stage(final, tmp, lambda: self._write(tmp, rank, model, optimizer, train_state, params, average))
         self._stage(final, tmp, lambda: self._complete(final, tmp) if rank == 0 else None)
         return final
 
@@ -311,10 +316,12 @@ class CheckpointManager:
             "there is no checkpoint, so the same command starts the run over"
 
     @staticmethod
-    def _write(tmp: Path, rank: int, model: nn.Module, optimizer, train_state: dict, params: dict) -> None:
+    def _write(tmp: Path, rank: int, model: nn.Module, optimizer, train_state: dict, params: dict,
+               average: dict | None) -> None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         with _dcp_quietly():
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            dcp.save({"model": model_sd, "optim": optim_sd, **({"ema": average} if average else {})},
+                     checkpoint_id=str(tmp))
         atomic_write(tmp / f"train_state_{rank:05d}.json", json.dumps(train_state))  # flushed, as DCP's files are
         if rank == 0:
             atomic_write(tmp / PARAMS, json.dumps(params))
@@ -343,9 +350,9 @@ class CheckpointManager:
             return f"the disk is full ({free:,} bytes free)"
         return short_reason(error)
 
-    def load(self, path: Path, model: nn.Module, optimizer) -> list[dict]:
+    def load(self, path: Path, model: nn.Module, optimizer, average: dict | None = None) -> list[dict]:
         """Resumes from one of this run's checkpoints (`Checkpoint.load_training`). Called by every rank."""
-        return Checkpoint.read(path).load_training(model, optimizer)
+        return Checkpoint.read(path).load_training(model, optimizer, average)
 
     def _prune(self, replaced: Path) -> None:
         """Deletes the checkpoints beyond `keep` and the `replaced` copy of a step saved again; one that cannot be
@@ -391,8 +398,9 @@ class Checkpoint:
     is refused unimported: the app is a name read from the file). Every problem is one line naming the file."""
 
     def __init__(self, path: Path, params: dict, shapes: dict[str, tuple[int, ...]], weights: dict | None = None,
-                 named_app: str | None = None):
+                 named_app: str | None = None, average_shapes: dict[str, tuple[int, ...]] | None = None):
         self.path, self.params, self.shapes, self.named_app = path, params, shapes, named_app
+        self.average_shapes = average_shapes or {}  # of the weights' average (`ema.`), when it holds one
         self._weights = weights  # a consolidated file's tensors, memory-mapped
 
     @property
@@ -438,7 +446,8 @@ class Checkpoint:
         """A checkpoint folder or a consolidated file; DamagedCheckpoint for a folder with a missing, truncated or
         unparsable file, OSError for a file that could not be read."""
         if path.is_dir():
-            return cls(path, verify(path), saved_shapes(path), named_app=named_app)
+            return cls(path, verify(path), saved_shapes(path), named_app=named_app,
+                       average_shapes=saved_shapes(path, "ema"))
         try:
             regular_file(path)  # a FIFO would block torch.load for ever
         except RefusedFile as e:
@@ -454,6 +463,11 @@ class Checkpoint:
             raise UserError(f"{path} is not a checkpoint of this library (no app, config and model in it)")
         shapes = {k: tuple(v.shape) for k, v in saved["model"].items()}
         return cls(path, {"app": saved["app"], "config": saved["config"]}, shapes, saved["model"], named_app)
+
+    @property
+    def averaged(self) -> bool:
+        """It holds the weights' average (a run with ema.decay saves it in every checkpoint)."""
+        return bool(self.average_shapes)
 
     def mismatches(self, model: nn.Module) -> list[str]:
         """Parameter names whose saved shape differs from the model's, or that only one side has (global shapes of
@@ -477,14 +491,34 @@ class Checkpoint:
         except (Exception, CheckpointException) as e:
             raise UserError(f"checkpoint {self.path} is damaged: {short_reason(e)}") from None
 
-    def load_training(self, model: nn.Module, optimizer) -> list[dict]:
-        """Model and optimizer in place, to resume training (on any world size: DCP reshards); the train state of
+    def load_average_into(self, model: nn.Module) -> None:
+        """The weights' average in place of the raw weights of the parameters it covers (`model` holds this
+        checkpoint's weights: `load_into`). Every rank calls it."""
+        if not self.averaged:
+            raise UserError(f"{self.path} holds no average of the weights (its run kept none: ema.decay)")
+        weights = get_model_state_dict(model)
+        mismatched = sorted(k for k, shape in self.average_shapes.items()
+                            if k not in weights or tuple(weights[k].shape) != shape)
+        if mismatched:
+            raise UserError(f"{self.path} holds an average of another model (first difference: {mismatched[0]})")
+        state = {"ema": {k: weights[k] for k in self.average_shapes}}
+        try:
+            with _dcp_quietly():
+                safe_dcp.load(state, self.path)
+            set_model_state_dict(model, state["ema"], options=StateDictOptions(strict=False))
+        except (Exception, CheckpointException) as e:
+            raise UserError(f"checkpoint {self.path} is damaged: {short_reason(e)}") from None
+
+    def load_training(self, model: nn.Module, optimizer, average: dict | None = None) -> list[dict]:
+        """Model and optimizer in place, to resume training (on any world size: DCP reshards), and `average` (the
+        weights' average, WeightsAverage.state_dict) when the checkpoint holds one; the train state of
         every rank that saved the checkpoint. DamagedCheckpoint if it is damaged, OSError if a file could not be read
         (`read_error`). Called by every rank."""
         if self._weights is not None:
             raise UserError(f"{self.path} holds weights only (no optimizer state): it cannot be resumed")
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        averaged = {"ema": average} if average and self.averaged else {}
+        state = {"model": model_sd, "optim": optim_sd, **averaged}
         try:
             with _dcp_quietly():
                 safe_dcp.load(state, self.path)
@@ -493,8 +527,9 @@ class Checkpoint:
                 raise unread from None
             raise DamagedCheckpoint(short_reason(e)) from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        if not parameters_finite(model, optimizer):  # bytes corrupted in place (the size is right)
-            raise DamagedCheckpoint("its weights or optimizer state are not all finite")
+        if not parameters_finite(model, optimizer, averaged.get("ema", {}).values()):  # bytes corrupted in place
+            raise DamagedCheckpoint(f"its weights{', average' if averaged else ''} or optimizer state are not all "
+                                    "finite")
         keys = TrainState.saved_fields()
         return [_read_json(file, keys) for file in sorted(self.path.glob("train_state_*.json"))]
 

@@ -4,8 +4,9 @@ cannot hold is refused in one line at the start instead of filling the memory.
 The estimate is a lower bound, per process: what a training step cannot do without. It never refuses a config that
 would fit; it refuses the ones that cannot. Per process:
 
-- weights and optimizer: 16 bytes a parameter (fp32 weights, their gradients, AdamW's two moments), split over the
-  processes the parallelism plan shards them over (`auto`: the plan it chooses);
+- weights and optimizer: 16 bytes a parameter (fp32 weights, their gradients, AdamW's two moments), and 4 more for
+  the weights' average when the run keeps one (`ema.decay`), split over the processes the parallelism plan shards
+  them over (`auto`: the plan it chooses);
 - the batch, on the host (the loader builds it there): 8 bytes a token (int64), and 8 more a row for the draw of
   its sources; the validation rows, held from the start;
 - activations, on the device: each block's input kept for the backward (2 bytes a value at least, as in bf16), for
@@ -32,6 +33,7 @@ from lingua.parallel import STATE_BYTES, configured_sharding
 GIB = 2**30
 TOKEN_BYTES = 8  # int64 token ids
 ACTIVATION_BYTES = 2  # bf16, the narrowest a block's saved input is kept in
+AVERAGE_BYTES = 4  # fp32, the weights' average (lingua/training/ema.py)
 
 
 def memory_shortfall(app: App, config, device: torch.device, launch: Launch) -> str | None:
@@ -59,7 +61,7 @@ def estimate(app: App, config, launch: Launch, device: torch.device) -> dict[str
     encoder = config.model.encoder
     validation_rows = config.validation.n_sequences // launch.world_size if config.validation.every else 0
     return {
-        "weights and optimizer": STATE_BYTES * n_params // shards,
+        "weights and optimizer": (STATE_BYTES + (AVERAGE_BYTES if config.ema.decay else 0)) * n_params // shards,
         "batch": rows * (row + 1) * TOKEN_BYTES,
         "validation rows": validation_rows * row * TOKEN_BYTES,
         "batch on the device": rows * row * TOKEN_BYTES,

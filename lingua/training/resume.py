@@ -19,7 +19,7 @@ from lingua.checkpoint.store import Checkpoint, CheckpointArgs, CheckpointManage
 from lingua.distributed import Launch, agreed_failure, barrier, broadcast_object, fail_together, on_every_rank
 from lingua.errors import UserError
 from lingua.model.transformer import architecture_fields
-from lingua.run_folder import RunFolder
+from lingua.run_folder import CHECKPOINTS, RunFolder
 from lingua.training.optim import lr_at
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def open_start(app: App, config, run: RunFolder, world_size: int) -> Start:
         continued = _open("continue_from", config.continue_from, app)
     if continued is not None and not continued.path.is_dir():
         raise UserError(f"continue_from {continued.path} holds weights only: name a run or one of its checkpoint "
-                        "folders (DUMP_DIR/checkpoints/N), which hold the optimizer state and the data position")
+                        f"folders (DUMP_DIR/{CHECKPOINTS}/N), which hold the optimizer state and the data position")
     return Start(run, init_from, resumed, world_size, app.data.check(config.data), continued)
 
 
@@ -100,10 +100,10 @@ def resumed_config(run: RunFolder) -> dict | None:
     return None
 
 
-def resume(start: Start, checkpoints: CheckpointManager, model, optimizer, app: App, config, launch: Launch) \
-        -> dict | None:
+def resume(start: Start, checkpoints: CheckpointManager, model, optimizer, app: App, config, launch: Launch,
+           average: dict | None = None) -> dict | None:
     """Loads the newest of the run's checkpoints (`checkpoints`: start.run's) that loads and returns this rank's
-    train state; None for a new run.
+    train state; None for a new run. `average`: the weights' average, loaded too where the checkpoint holds one.
 
     Rank 0 picks the checkpoint and every rank loads that one. A checkpoint proven damaged (a missing or truncated
     file, content that does not parse) is set aside and the one before it is tried; an I/O error is no proof: the
@@ -123,7 +123,7 @@ def resume(start: Start, checkpoints: CheckpointManager, model, optimizer, app: 
         path = Path(choice)
         states, damage, unread = None, None, None
         try:
-            states = checkpoints.load(path, model, optimizer)
+            states = checkpoints.load(path, model, optimizer, average)
         except DamagedCheckpoint as e:
             damage = str(e)
         except OSError as e:
@@ -157,10 +157,11 @@ def this_ranks_state(states: list[dict], app: App, config, launch: Launch, data_
     return {**states[0], "data": data, "generator": None}
 
 
-def continue_run(start: Start, model, optimizer, app: App, config, launch: Launch) -> dict:
+def continue_run(start: Start, model, optimizer, app: App, config, launch: Launch, average: dict | None = None) -> dict:
     """This rank's train state for a new run continuing from `start.continued`, its weights and optimizer state
-    loaded into `model` and `optimizer`: step, token count, data position and masking generator carried over (not
-    the parent's best record: its best.pt is the parent's). Another app, or a model the checkpoint cannot grow into
+    loaded into `model` and `optimizer` (and the weights' average into `average` when both runs keep one): step, token
+    count, data position and masking generator carried over (not the parent's best record: its best.pt is the
+    parent's). Another app, or a model the checkpoint cannot grow into
     (any architecture change but `GROWABLE`'s), is refused in one line before anything is read; the data position
     starts afresh, in one line, when the data settings it depends on changed."""
     parent = start.continued
@@ -176,7 +177,7 @@ def continue_run(start: Start, model, optimizer, app: App, config, launch: Launc
                         f"only the model's {' and '.join(GROWABLE)}")
     states, failure = [], None
     try:
-        states = parent.load_training(model, optimizer)
+        states = parent.load_training(model, optimizer, average)
     except DamagedCheckpoint as e:
         failure = f"{where} is damaged: {e}"
     except OSError as e:

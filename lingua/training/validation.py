@@ -20,6 +20,7 @@ from lingua.eval.glue import GlueEvalArgs, check_args, probe_length, run_glue_pr
 from lingua.eval.glue_data import SkippedLinesReport
 from lingua.parallel import autocast
 from lingua.training.divergence import NonFiniteGuard
+from lingua.training.ema import SCORE_PREFIX, WeightsAverage
 
 
 @dataclass
@@ -29,7 +30,7 @@ class ValidationArgs:
     batch_size: int = 16  # sequences per forward pass
     seed: int = 1234  # the masking of the validation set is the same at every validation and in every run
     keep_best: str = ""  # a validation metric, higher is better (e.g. val/score): the weights where it is highest
-    # so far are saved to DUMP_DIR/best.pt, their validation record to best.json
+    # so far are saved to DUMP_DIR/best.pt, their validation record to best.json (ema/val/score: the average's)
 
     def __post_init__(self):
         at_least(self, 0, "every", "seed")
@@ -114,6 +115,7 @@ class EvalContext:
     device: torch.device
     launch: Launch
     guard: NonFiniteGuard  # stops the run on a non-finite score (`guard.stop`)
+    average: WeightsAverage | None = None  # the weights' average (`ema`), which evaluations score when asked
 
 
 @dataclass(frozen=True)
@@ -128,11 +130,14 @@ class EvaluationKind:
 
 def build_evaluations(app: App, context: EvalContext) -> list[Evaluation]:
     """The evaluations the loop runs, in order: the validation (`validation.every`), then those of the kinds the app
-    registers (`App.evaluations`). The validation's rows are read here, at the start."""
+    registers (`App.evaluations`), each scoring the weights `ema.evaluate` names. The validation's rows are read
+    here, at the start."""
     config, evaluations = context.config, []
     if config.validation.every > 0:
         evaluations.append(Validation(app, context))
     evaluations += [evaluation for kind in app.evaluations if (evaluation := kind.build(context)) is not None]
+    if context.average is not None and config.ema.evaluate != "raw":
+        evaluations = [OfTheAverage(evaluation, context.average, config.ema.evaluate) for evaluation in evaluations]
     keeping = [evaluation.name for evaluation in evaluations if evaluation.keep_best]
     if len(keeping) > 1:
         raise UserError(f"one evaluation keeps the best weights (best.pt), not {len(keeping)}: {', '.join(keeping)}")
@@ -145,6 +150,23 @@ def check_evaluations(app: App, config, world_size: int) -> None:
         check_validation_split(config.validation, world_size)
     for kind in app.evaluations:
         kind.check(config, world_size)
+
+
+class OfTheAverage:
+    """An evaluation that scores the weights' average (its scores named ema/KEY), after the raw weights when
+    `weights` is both."""
+
+    def __init__(self, evaluation: Evaluation, average: WeightsAverage, weights: str):
+        self.evaluation, self.average, self.weights = evaluation, average, weights
+        self.name, self.keep_best = evaluation.name, evaluation.keep_best
+
+    def due(self, step: int) -> bool:
+        return self.evaluation.due(step)
+
+    def run(self, step: int) -> dict[str, float]:
+        scores = self.evaluation.run(step) if self.weights == "both" else {}
+        with self.average.swapped_in():
+            return scores | {SCORE_PREFIX + key: value for key, value in self.evaluation.run(step).items()}
 
 
 class Validation:
