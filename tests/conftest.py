@@ -307,17 +307,25 @@ def run_to_the_end(cmd: list, timeout: float = 300, env: dict | None = None) -> 
 
 def kill_after_first_checkpoint_then_restart(module: str, argv: list[str], dump_dir: Path) -> None:
     """Runs `python -m module argv`, SIGKILLs it once a checkpoint past step 5 is complete, then runs it again to
-    the end."""
+    the end. The first run must still be training when it is killed: one that ended first proves nothing (and a
+    checkpoint looked for by name could be pruned before it is seen)."""
     cmd, env = [sys.executable, "-m", module, *argv], {**os.environ, "PYTHONPATH": str(REPO)}
     proc = start(cmd, env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and not list((dump_dir / "checkpoints").glob("00000000[1-9][05]")):
-            time.sleep(0.2)
+        while time.time() < deadline and proc.poll() is None and not _checkpoints_past(dump_dir, 5):
+            time.sleep(0.05)
+        killed_while_training = proc.poll() is None and _checkpoints_past(dump_dir, 5)
     finally:
         end(proc)
+    assert killed_while_training, f"{module} had ended (status {proc.returncode}) or saved no checkpoint past step 5"
     done = run_to_the_end(cmd, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _checkpoints_past(dump_dir: Path, step: int) -> list[Path]:
+    """The run's complete checkpoints (folders named by their step: partial ones have a suffix) after `step`."""
+    return [p for p in (dump_dir / "checkpoints").glob("*") if p.name.isdigit() and int(p.name) > step]
 
 
 def offline_data(root: Path) -> Path:

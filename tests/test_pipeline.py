@@ -256,7 +256,7 @@ def test_table3_debug_pipeline_end_to_end_on_offline_data(tmp_path, corpus):
         assert f"**{title}" in table, title
     rows = [line for line in table.splitlines() if line.startswith("| CrossBERT ")]
     assert len(rows) == 5 and all("–" not in row for row in rows), table  # every cell of ours filled
-    assert "| *CrossBERT, paper* | 279M | 4.1e19 | 207k | 85.1 |" in table  # RTE beside ours, fine-tuning
+    assert "| *CrossBERT, paper* | 279M | 4.1e19 | – | 207k | 85.1 |" in table  # RTE beside ours, fine-tuning
     assert "tps, as the paper's: training token-views per second per GPU" in table
     assert "Metrics (dev, in %): RTE accuracy; STSB Spearman correlation." in table
     assert "## The literature in the paper's Table 3" in table
