@@ -9,6 +9,7 @@ adds the path of the enclosing config, so the message names the full key (`model
 """
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -72,7 +73,7 @@ def load_config(cls: type[T], argv: list[str], base: dict[str, Any] | None = Non
     order. A class with a field of its own named `config` (stool's: the run's base config) takes it as a value."""
     if "--help" in argv or "-h" in argv:
         raise HelpRequested(config_help(cls, base))
-    tree: dict[str, Any] = dict(base or {})
+    tree: dict[str, Any] = copy.deepcopy(base or {})  # overrides write into nested sections: never into the caller's
     config_is_a_file = "config" not in {f.name for f in dataclasses.fields(cls)}
     for arg in argv:
         key, value = parse_assignment(arg)

@@ -36,6 +36,14 @@ def test_yaml_then_overrides(tmp_path):
     assert isinstance(cfg.sources["wiki"], float)
 
 
+def test_overrides_leave_the_callers_base_as_it_was():
+    """A base (a command's preset) is read, never written: an override of a nested key once changed the preset for
+    every later command in the process (tools.benchmark's debug preset kept another test's max_seqlen)."""
+    base = {"steps": 1, "inner": {"dim": 4}}
+    assert load_config(Outer, ["inner.dim=16"], base=base).inner.dim == 16
+    assert base == {"steps": 1, "inner": {"dim": 4}} and load_config(Outer, [], base=base).inner.dim == 4
+
+
 def test_single_value_for_a_list():
     assert load_config(Outer, ["steps=1", "ks=5", "tasks=sst2"]).ks == [5]
     assert load_config(Outer, ["steps=1", "ks=5,10"]).ks == [5, 10]
