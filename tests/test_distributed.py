@@ -149,31 +149,21 @@ def test_torchrun_with_one_process_trains_under_fsdp(corpus, tmp_path):
 
 @pytest.mark.slow
 def test_checkpoints_move_between_world_sizes(corpus, tmp_path):
-    """Saved on 2 ranks at step 10; resumed on 2 ranks it continues exactly, on 1 rank it continues with the
-    unread data re-partitioned (and back to 2 ranks again)."""
-    full = tmp_path / "full"
+    """Saved on 2 ranks at step 10, resumed on 1 rank: it continues with the unread data re-partitioned, then back on
+    2 ranks again. (Resumed on the same 2 ranks, a run continues exactly: the elastic restart's test.)"""
+    full, dump = tmp_path / "full", tmp_path / "resumed_on_1"
     torchrun("-m", "apps.bert.train", *_train_argv(corpus, full, 20))
     reference = read_metrics(full)
-    for procs in (2, 1):
-        dump = tmp_path / f"resumed_on_{procs}"
-        subprocess.run(["cp", "-r", full, dump], check=True)
-        subprocess.run(["rm", "-r", dump / "checkpoints" / "0000000020", dump / "consolidated.pt"], check=True)
-        argv = _train_argv(corpus, dump, 20)
-        if procs == 2:
-            torchrun("-m", "apps.bert.train", *argv)
-        else:
-            subprocess.run([sys.executable, "-m", "apps.bert.train", *argv], cwd=REPO, env=ENV, check=True,
-                           capture_output=True)
-        resumed = read_metrics(dump)
-        assert sorted(resumed) == list(range(1, 21))
-        if procs == 2:
-            assert [resumed[s]["loss"] for s in range(11, 21)] == [reference[s]["loss"] for s in range(11, 21)]
-        else:
-            assert resumed[20]["data_tokens"] == reference[10]["data_tokens"] + 10 * 8 * 32
-            assert "re-partitioned over 1 rank(s)" in (dump / "train.log").read_text()
-    back = tmp_path / "resumed_on_1"
-    torchrun("-m", "apps.bert.train", *_train_argv(corpus, back, 30))
-    assert sorted(read_metrics(back)) == list(range(1, 31))
+    subprocess.run(["cp", "-r", full, dump], check=True)
+    subprocess.run(["rm", "-r", dump / "checkpoints" / "0000000020", dump / "consolidated.pt"], check=True)
+    subprocess.run([sys.executable, "-m", "apps.bert.train", *_train_argv(corpus, dump, 20)], cwd=REPO, env=ENV,
+                   check=True, capture_output=True)
+    resumed = read_metrics(dump)
+    assert sorted(resumed) == list(range(1, 21))
+    assert resumed[20]["data_tokens"] == reference[10]["data_tokens"] + 10 * 8 * 32
+    assert "re-partitioned over 1 rank(s)" in (dump / "train.log").read_text()
+    torchrun("-m", "apps.bert.train", *_train_argv(corpus, dump, 30))
+    assert sorted(read_metrics(dump)) == list(range(1, 31))
 
 
 def test_init_from_loads_weights_only_into_a_sharded_model(corpus, tmp_path):
