@@ -1,13 +1,16 @@
-"""The pipelines of issue 45 planned, not run (each pre-training is hundreds of H100-hours): Figures 1 and 3's
-unfrozen stages, Figure 6, Appendix B's data efficiency, Appendix I's variations and Table 4's aspect ratios. Every
-pre-training stage's config resolves as its app reads it, every tool stage's arguments as its command reads them."""
+"""The paper's pipelines planned, not run (each pre-training is hundreds of H100-hours): every one in stool's dry run,
+and in detail Figures 1 and 3's unfrozen stages, Figure 6, Appendix B's data efficiency, Appendix I's variations and
+Table 4's aspect ratios. Every pre-training stage's config resolves as its app reads it, every tool stage's arguments
+as its command reads them."""
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from lingua import stool
 from lingua.app import load_app, short_name
 from lingua.args import load_config
 from lingua.jobs.pipeline_plan import load_pipeline
@@ -24,6 +27,16 @@ def pretraining_config(stage):
     """The config a pre-training stage trains with, as its app resolves it."""
     app = load_app(short_name(stage.module))
     return app, load_config(app.args_cls, [arg for arg in stage.args if not arg.startswith("dump_dir=")])
+
+
+@pytest.mark.parametrize("path", sorted(PIPELINES.glob("*.yaml")), ids=lambda path: path.name)
+def test_every_pipeline_plans_its_stages_in_a_dry_run_and_writes_nothing(path, tmp_path, monkeypatch, capsys):
+    """What `python -m lingua.stool pipeline pipeline=FILE --dry-run` prints for each table's and figure's pipeline:
+    every stage, its launcher and what it waits for; nothing is submitted or written (its dump_dir is relative)."""
+    monkeypatch.chdir(tmp_path)
+    stool.main(["pipeline", f"pipeline={path}", "cluster=slurm", "--dry-run"])
+    planned = re.search(r"dry run: (\d+) stage\(s\), nothing started", capsys.readouterr().out)
+    assert planned and int(planned.group(1)) == len(stages_of(path.name)) and list(tmp_path.iterdir()) == []
 
 
 def test_figure1_scores_every_model_unfrozen_too_and_plots_both():
