@@ -137,6 +137,7 @@ def test_every_registered_backend_is_a_config_choice_and_nothing_else_is():
 
 
 @pytest.mark.parametrize("backend", [name for name in ATTN_BACKENDS if name != "sdpa"])
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on purpose: the values
 def test_backends_agree_with_sdpa(backend):
     q, k, v, mask = _random_qkv_and_mask()
     if backend == "xformers":
