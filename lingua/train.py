@@ -76,7 +76,14 @@ from lingua.training.lifecycle import (
 )
 from lingua.training.memory import memory_shortfall
 from lingua.training.optim import OptimArgs, build_optimizer, check_schedule, lr_at, set_lr
-from lingua.training.resume import Start, architecture_changes, continue_run, open_start, resume
+from lingua.training.resume import (
+    Start,
+    architecture_changes,
+    continue_run,
+    data_setting_changes,
+    open_start,
+    resume,
+)
 from lingua.training.step import training_step
 from lingua.training.validation import EvalContext, ValidationArgs, build_evaluations, check_evaluations
 
@@ -184,13 +191,14 @@ def recorded_continuation(config, start: Start):
     """A continued run's config names the exact checkpoint it continues from and its phase; resumed, it keeps what
     its first start recorded (its parent may have newer checkpoints since)."""
     if start.continued is not None:
-        changed = any(key.startswith(("data.", "model.")) for key in config_changes(start.continued.config,
-                                                                                      to_dict(config)))
+        parent, this = start.continued.config, to_dict(config)
+        changed = [key for key, (old, new) in config_changes(parent, this).items() if key.startswith("model.")] \
+            + data_setting_changes(parent["data"], this["data"])
         return replace(config, continue_from=str(start.continued.path.resolve()),
                        phase=config.phase or ("phase" if changed else "branch"))
-    if start.resumed is not None and config.continue_from:
-        return replace(config, continue_from=start.resumed.get("continue_from", config.continue_from),
-                       phase=start.resumed.get("phase", config.phase))
+    recorded = (start.resumed or {}).get("continue_from")
+    if recorded:  # a plain resume of a continued run keeps its parent: the scaling tools read the family by it
+        return replace(config, continue_from=recorded, phase=start.resumed.get("phase", config.phase))
     return config
 
 
@@ -338,6 +346,8 @@ class Trainer:
             if self.average is not None:  # written first: a finished run (it has consolidated.pt) has both
                 with self.average.swapped_in():
                     save_consolidated(self.model, self.params, self.run.consolidated_ema, self.lock.lost)
+            else:  # an average an earlier start of this run kept would be older than these weights
+                on_rank_zero(lambda: self._write(self.run.consolidated_ema, lambda path: path.unlink(missing_ok=True)))
             save_consolidated(self.model, self.params, self.run.consolidated, self.lock.lost)
         return self._summary(step, first_loss, time.perf_counter() - start, stop.agreed)
 

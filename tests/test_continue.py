@@ -142,12 +142,33 @@ def test_continue_from_refuses_the_parents_own_folder_and_a_folder_holding_anoth
         run(tiny_argv(corpus, other, steps=16) + [f"continue_from={parent}"])
 
 
-def test_a_data_position_change_is_one_of_substance_not_of_spelling(tmp_path, monkeypatch):
-    from lingua.training.resume import data_position_changes
+def test_a_continued_run_resumed_keeps_its_parent_and_refuses_another_checkpoint(stable, tmp_path):
+    """Resumed by a command without continue_from, a branch still names its parent (the scaling tools read the family
+    by it); named with another checkpoint of that parent, it is refused in one line rather than resumed."""
+    corpus, parent = stable
+    branch = tmp_path / "branch"
+    run(tiny_argv(corpus, branch, steps=12) + [*WSD, "optim.decay_steps=2",
+                                                f"continue_from={parent}/checkpoints/0000000010"])
+    run(tiny_argv(corpus, branch, steps=14) + [*WSD, "optim.decay_steps=2"])
+    config = yaml.safe_load((branch / "config.yaml").read_text())
+    assert config["continue_from"].endswith("0000000010") and config["phase"] == "branch"
+    with pytest.raises(UserError, match="holds a run continued from .*0000000010, not one continued from"):
+        run(tiny_argv(corpus, branch, steps=16) + [*WSD, f"continue_from={parent}/checkpoints/0000000020"])
+
+
+def test_a_data_setting_change_is_one_of_substance_not_of_spelling(tmp_path, monkeypatch):
+    """The same folder however it is written (stool makes root_dir absolute), the same tokenizer wherever its file
+    lies: neither restarts the data position nor makes a branch a phase."""
+    from lingua.training.resume import data_position_changes, data_setting_changes
 
     monkeypatch.chdir(tmp_path)
-    assert data_position_changes({"root_dir": "data", "seed": 1}, {"root_dir": str(tmp_path / "data"), "seed": 1}) == []
+    gpt2 = {"name": "gpt2", "path": "", "sha256": ""}
+    old = {"root_dir": "data", "seed": 1, "tokenizer": gpt2}
+    assert data_setting_changes(old, {**old, "root_dir": str(tmp_path / "data"),
+                                      "tokenizer": {**gpt2, "path": "/elsewhere/r50k_base.tiktoken"}}) == []
     assert data_position_changes({"root_dir": "data"}, {"root_dir": "other"}) == ["data.root_dir"]
+    hf = {"name": "hf", "path": "a/tokenizer.json", "sha256": "1"}
+    assert data_setting_changes({"tokenizer": hf}, {"tokenizer": {**hf, "sha256": "2"}}) == ["data.tokenizer"]
 
 
 def test_a_phase_with_another_mask_ratio_keeps_the_data_position(stable, tmp_path, capsys):

@@ -150,20 +150,28 @@ def test_torchrun_with_one_process_trains_under_fsdp(corpus, tmp_path):
 @pytest.mark.slow
 def test_checkpoints_move_between_world_sizes(corpus, tmp_path):
     """Saved on 2 ranks at step 10, resumed on 1 rank: it continues with the unread data re-partitioned, then back on
-    2 ranks again. (Resumed on the same 2 ranks, a run continues exactly: the elastic restart's test.)"""
+    2 ranks again; the weights' average goes on through both (resharded like the weights, never started again).
+    (Resumed on the same 2 ranks, a run continues exactly: the elastic restart's test.)"""
     full, dump = tmp_path / "full", tmp_path / "resumed_on_1"
-    torchrun("-m", "apps.bert.train", *_train_argv(corpus, full, 20))
+    torchrun("-m", "apps.bert.train", *_train_argv(corpus, full, 20, "ema.decay=0.9"))
     reference = read_metrics(full)
     subprocess.run(["cp", "-r", full, dump], check=True)
-    subprocess.run(["rm", "-r", dump / "checkpoints" / "0000000020", dump / "consolidated.pt"], check=True)
-    subprocess.run([sys.executable, "-m", "apps.bert.train", *_train_argv(corpus, dump, 20)], cwd=REPO, env=ENV,
-                   check=True, capture_output=True)
+    subprocess.run(["rm", "-r", dump / "checkpoints" / "0000000020", dump / "consolidated.pt",
+                    dump / "consolidated_ema.pt"], check=True)
+    subprocess.run([sys.executable, "-m", "apps.bert.train", *_train_argv(corpus, dump, 20, "ema.decay=0.9")],
+                   cwd=REPO, env=ENV, check=True, capture_output=True)
     resumed = read_metrics(dump)
     assert sorted(resumed) == list(range(1, 21))
     assert resumed[20]["data_tokens"] == reference[10]["data_tokens"] + 10 * 8 * 32
     assert "re-partitioned over 1 rank(s)" in (dump / "train.log").read_text()
-    torchrun("-m", "apps.bert.train", *_train_argv(corpus, dump, 30))
+    torchrun("-m", "apps.bert.train", *_train_argv(corpus, dump, 30, "ema.decay=0.9"))
     assert sorted(read_metrics(dump)) == list(range(1, 31))
+    for step in ("0000000020", "0000000030"):  # the average started at step 0 and was carried on
+        assert json.loads((dump / "checkpoints" / step / "train_state_00000.json").read_text())["ema_from"] == 0
+    average, raw = (torch.load(dump / name, weights_only=True)["model"] for name in ("consolidated_ema.pt",
+                                                                                    "consolidated.pt"))
+    assert all(torch.isfinite(v).all() for v in average.values()) and any(
+        not torch.equal(v, raw[k]) for k, v in average.items())
 
 
 def test_init_from_loads_weights_only_into_a_sharded_model(corpus, tmp_path):

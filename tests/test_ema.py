@@ -197,6 +197,32 @@ def test_a_run_turning_the_average_on_starts_it_at_the_resumed_weights(corpus, t
     assert "0000000002 holds no average of the weights (its run kept none: ema.decay)\n" in capsys.readouterr().err
 
 
+def test_a_run_extended_without_the_average_removes_the_older_one(corpus, tmp_path):
+    """consolidated_ema.pt would otherwise hold an earlier step's average beside the newer consolidated.pt."""
+    dump = tmp_path / "run"
+    argv = [*tiny_argv(corpus, dump, 2), "validation.every=0"]
+    run([*argv, "ema.decay=0.5"])
+    assert (dump / "consolidated_ema.pt").exists()
+    run([*argv, "steps=3"])
+    assert (dump / "consolidated.pt").exists() and not (dump / "consolidated_ema.pt").exists()
+
+
+@pytest.mark.parametrize("keep_best, evaluate", [("ema/val/accuracy", "raw"), ("val/accuracy", "ema")])
+def test_keep_best_naming_weights_not_scored_is_one_line_before_the_start(corpus, tmp_path, keep_best, evaluate):
+    dump = tmp_path / "run"
+    with pytest.raises(UserError, match=f"validation.keep_best {keep_best}: the validation logs it only with "
+                                        "ema.evaluate=") as error:
+        run([*tiny_argv(corpus, dump, 2), f"validation.keep_best={keep_best}", "ema.decay=0.5",
+             f"ema.evaluate={evaluate}"])
+    assert "\n" not in str(error.value) and not dump.exists()
+
+
+def test_consolidate_takes_only_its_options(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:  # an option without its value: the usage, no traceback
+        consolidate(["consolidate", str(tmp_path), str(tmp_path / "x.pt"), "weights"])
+    assert "usage: python -m lingua.checkpoint consolidate" in str(exit_info.value.code)
+
+
 def test_the_memory_estimate_counts_the_average():
     tiny = ["dump_dir=x", "model.encoder.dim=32", "model.encoder.n_layers=1", "model.encoder.n_heads=2",
             "data.tokenizer.name=bytes"]

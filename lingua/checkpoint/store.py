@@ -489,7 +489,13 @@ class Checkpoint:
             else:
                 set_model_state_dict(model, self._weights, options=StateDictOptions(full_state_dict=True))
         except (Exception, CheckpointException) as e:
-            raise UserError(f"checkpoint {self.path} is damaged: {short_reason(e)}") from None
+            raise self._load_failure(e) from None
+
+    def _load_failure(self, error: BaseException) -> UserError:
+        """The one line for weights that could not be loaded: an I/O error (it may pass) or damage."""
+        if (unread := read_error(error)) is not None:
+            return UserError(f"cannot read checkpoint {self.path}: {unread.strerror or unread}")
+        return UserError(f"checkpoint {self.path} is damaged: {short_reason(error)}")
 
     def load_average_into(self, model: nn.Module) -> None:
         """The weights' average in place of the raw weights of the parameters it covers (`model` holds this
@@ -507,7 +513,7 @@ class Checkpoint:
                 safe_dcp.load(state, self.path)
             set_model_state_dict(model, state["ema"], options=StateDictOptions(strict=False))
         except (Exception, CheckpointException) as e:
-            raise UserError(f"checkpoint {self.path} is damaged: {short_reason(e)}") from None
+            raise self._load_failure(e) from None
 
     def load_training(self, model: nn.Module, optimizer, average: dict | None = None) -> list[dict]:
         """Model and optimizer in place, to resume training (on any world size: DCP reshards), and `average` (the

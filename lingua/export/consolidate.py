@@ -16,7 +16,7 @@ OPTIONS = ("app", "weights")
 
 
 def main(argv: list[str]) -> None:
-    options = dict(a.split("=", 1) for a in argv[3:] if a.split("=", 1)[0] in OPTIONS)
+    options = dict(a.split("=", 1) for a in argv[3:] if "=" in a and a.split("=", 1)[0] in OPTIONS)
     if len(argv) - len(options) != 3 or argv[0] != "consolidate" or options.get("weights", "raw") not in ("raw", "ema"):
         sys.exit(USAGE)
     try:

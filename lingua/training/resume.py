@@ -66,14 +66,16 @@ def open_start(app: App, config, run: RunFolder, world_size: int) -> Start:
 
 def _check_continued_folder(run: RunFolder, continue_from: str, resumed: dict | None) -> None:
     """A continued run has a folder of its own: continue_from in it would resume the parent itself, writing into it
-    (and pruning its checkpoints); a folder holding another run (one not continued from that run) would resume that
-    run and never continue."""
+    (and pruning its checkpoints); a folder holding another run (one not continued from that run, or from another of
+    its checkpoints) would resume that run and never continue as asked."""
     parent = RunFolder.of(continue_from).root.resolve()
     if parent == run.root.resolve():
         raise UserError(f"continue_from {continue_from} is in this run's own folder: a continued run needs a dump_dir "
                         "of its own (its parent is only read)")
     recorded = (resumed or {}).get("continue_from")
-    if resumed is not None and (not recorded or RunFolder.of(recorded).root.resolve() != parent):
+    named_checkpoint = Path(continue_from).parent.name == CHECKPOINTS
+    if resumed is not None and (not recorded or RunFolder.of(recorded).root.resolve() != parent or (
+            named_checkpoint and Path(continue_from).resolve() != Path(recorded).resolve())):
         holds = f"a run continued from {recorded}" if recorded else "a run of its own"
         raise UserError(f"dump_dir {run.root} holds {holds}, not one continued from {continue_from}: name a new "
                         "dump_dir")
@@ -197,16 +199,25 @@ def continue_run(start: Start, model, optimizer, app: App, config, launch: Launc
     return {**state, "best": None, "evaluation_skipped": False, "phase_start": counted or None}
 
 
+def data_setting_changes(old: dict, new: dict) -> list[str]:
+    """The `data.` settings that differ between two runs' data configs, as settings, not spellings: the same folder
+    however its path is written (stool makes root_dir absolute), the same tokenizer wherever its file lies (its name
+    and, for a Hugging Face one, the sha256 of its files)."""
+    def same(key: str) -> bool:
+        a, b = old.get(key), new.get(key)
+        if key == "root_dir" and a and b:
+            return Path(a).resolve() == Path(b).resolve()
+        if key == "tokenizer" and isinstance(a, dict) and isinstance(b, dict):
+            return (a.get("name"), a.get("sha256")) == (b.get("name"), b.get("sha256"))
+        return a == b
+
+    return [f"data.{key}" for key in sorted(old.keys() | new.keys()) if not same(key)]
+
+
 def data_position_changes(old: dict, new: dict) -> list[str]:
     """The data settings (`data.` keys) a saved data position depends on that differ: all but `KEEP_DATA_POSITION`'s,
     and the sources' names (their weights may change)."""
-    def same(key: str) -> bool:  # the same folder however it is spelled (stool makes root_dir absolute)
-        if key == "root_dir" and old.get(key) and new.get(key):
-            return Path(old[key]).resolve() == Path(new[key]).resolve()
-        return old.get(key) == new.get(key)
-
-    changes = [f"data.{key}" for key in sorted(old.keys() | new.keys())
-               if key not in KEEP_DATA_POSITION and not same(key)]
+    changes = [key for key in data_setting_changes(old, new) if key.removeprefix("data.") not in KEEP_DATA_POSITION]
     renamed = sorted(old.get("sources", {})) != sorted(new.get("sources", {}))
     return changes + (["data.sources' names"] if renamed else [])
 

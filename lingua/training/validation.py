@@ -148,6 +148,10 @@ def check_evaluations(app: App, config, world_size: int) -> None:
     """What would stop an evaluation later, checked before the run starts."""
     if config.validation.every > 0 and app.validate is None:
         check_validation_split(config.validation, world_size)
+    key, weights = config.validation.keep_best, config.ema.evaluate
+    if key and weights != "both" and key.startswith(SCORE_PREFIX) != (weights == "ema"):
+        raise UserError(f"validation.keep_best {key}: the validation logs it only with ema.evaluate="
+                        f"{'ema or both' if key.startswith(SCORE_PREFIX) else 'raw or both'}, here '{weights}'")
     for kind in app.evaluations:
         kind.check(config, world_size)
 
