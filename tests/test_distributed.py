@@ -149,8 +149,9 @@ def test_torchrun_with_one_process_trains_under_fsdp(corpus, tmp_path):
 
 @pytest.mark.slow
 def test_checkpoints_move_between_world_sizes(corpus, tmp_path):
-    """Saved on 2 ranks at step 10, resumed on 1 rank: it continues with the unread data re-partitioned, then back on
-    2 ranks again; the weights' average goes on through both (resharded like the weights, never started again).
+    """Saved on 2 ranks at step 10, resumed on 1 rank: it continues with the unread data re-partitioned (and a run
+    continuing from that checkpoint on 1 rank takes the same steps), then back on 2 ranks again; the weights' average
+    goes on through both (resharded like the weights, never started again).
     (Resumed on the same 2 ranks, a run continues exactly: the elastic restart's test.)"""
     full, dump = tmp_path / "full", tmp_path / "resumed_on_1"
     torchrun("-m", "apps.bert.train", *_train_argv(corpus, full, 20, "ema.decay=0.9"))
@@ -164,6 +165,11 @@ def test_checkpoints_move_between_world_sizes(corpus, tmp_path):
     assert sorted(resumed) == list(range(1, 21))
     assert resumed[20]["data_tokens"] == reference[10]["data_tokens"] + 10 * 8 * 32
     assert "re-partitioned over 1 rank(s)" in (dump / "train.log").read_text()
+    branch = tmp_path / "branch"  # continue_from the same checkpoint on 1 rank: the same steps as that resume
+    subprocess.run([sys.executable, "-m", "apps.bert.train", *_train_argv(corpus, branch, 20, "ema.decay=0.9"),
+                    f"continue_from={full / 'checkpoints' / '0000000010'}"], cwd=REPO, env=ENV, check=True,
+                   capture_output=True)
+    assert [read_metrics(branch)[s]["loss"] for s in range(11, 21)] == [resumed[s]["loss"] for s in range(11, 21)]
     torchrun("-m", "apps.bert.train", *_train_argv(corpus, dump, 30, "ema.decay=0.9"))
     assert sorted(read_metrics(dump)) == list(range(1, 31))
     for step in ("0000000020", "0000000030"):  # the average started at step 0 and was carried on
