@@ -45,7 +45,9 @@ def test_a_requeued_job_runs_again(slurm_cluster, tmp_path):
     out = tmp_path / "out.txt"
     job = slurm_cluster.run("sbatch", "--parsable", "--open-mode=append", "-o", str(out), "--wrap",
                             "echo started; sleep 120").strip()
-    slurm_cluster.wait_state(job, "RUNNING")
+    # the job's script has started, not only its allocation (RUNNING): requeued before its first line, the job's
+    # first run would write nothing and the second could never be told apart from it
+    wait_for("the first run", lambda: out.read_text().count("started") == 1, 60)
     slurm_cluster.run("scontrol", "requeue", job)
     wait_for("the second run", lambda: out.read_text().count("started") == 2, 60)  # after cred_expire seconds
     assert "Restarts=1" in slurm_cluster.run("scontrol", "show", "job", job)
