@@ -163,9 +163,9 @@ def continue_run(start: Start, model, optimizer, app: App, config, launch: Launc
     """This rank's train state for a new run continuing from `start.continued`, its weights and optimizer state
     loaded into `model` and `optimizer` (and the weights' average into `average` when both runs keep one): step, token
     count, data position and masking generator carried over (not the parent's best record: its best.pt is the
-    parent's). Another app, or a model the checkpoint cannot grow into
-    (any architecture change but `GROWABLE`'s), is refused in one line before anything is read; the data position
-    starts afresh, in one line, when the data settings it depends on changed."""
+    parent's). Another app, or a model the checkpoint cannot grow into (any architecture change but `GROWABLE`'s), is
+    refused in one line before anything is read; the data position starts afresh, in one line, when the data
+    settings it depends on changed."""
     parent = start.continued
     where = f"continue_from {parent.path}"
     if parent.app_name != app.name:
